@@ -1,0 +1,1 @@
+"""CUDA kernels: sources (*.cu, *.cuh) and their build (build.py)."""

@@ -1,0 +1,14 @@
+"""qoqtool: offline W4A8KV4 quantization (QoQ) of Llama-family causal LMs.
+
+The pieces, by folder:
+  models/       resolve a model argument and name the pieces of a Llama-family model
+  data/         calibration and evaluation text (WikiText-2, Pile, local files, synthetic)
+  calibration/  the layer-by-layer runner and activation statistics
+  transforms/   exact, full-precision rewrites (rotation, smoothing, reordering)
+  quantizers/   the math: RTN, progressive, GPTQ, clipping, activation and KV quantizers
+  runtime/      the modules that run a quantized model (exact CPU reference, CUDA kernels)
+  packing/      the kernel-ordered checkpoint format
+  eval/         perplexity, fidelity and zero-shot evaluation
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,143 @@
+"""`quantize_model`: apply a recipe to a model, layer by layer.
+
+    model steps  (once, exact)     e.g. rotate
+    for each decoder layer:
+        layer steps (in order)     e.g. smooth_attention, smooth_output, reorder
+        input statistics           mean square / max per channel (+ Hessian for GPTQ)
+        each linear -> QuantLinear RTN, clipped RTN or GPTQ, in the recipe's format
+        quantized layer forward    -> inputs of the next layer
+
+The result is a model whose linears are `QuantLinear` (exact reference path) and whose
+attention quantizes the KV cache; `qoqtool.packing.quantized.save` writes it out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from qoqtool.calibration.runner import capture_first_layer_inputs, run_layer
+from qoqtool.calibration.stats import InputStats, collect_input_stats
+from qoqtool.calibration.steps import STEPS, step_params
+from qoqtool.models.adapter import LINEAR_NAMES, ModelAdapter
+from qoqtool.quantizers.formats import QuantizedWeight
+from qoqtool.quantizers.schemes import WeightScheme
+from qoqtool.recipe import Recipe
+from qoqtool.runtime.attention import enable_kv_quantization
+from qoqtool.runtime.reference import QuantLinear
+
+ProgressFn = Callable[[str, int, int], None]  # (what, done, total)
+
+
+@dataclass
+class QuantizeResult:
+    model: torch.nn.Module
+    recipe: Recipe
+    input_stats: dict[str, InputStats]  # qualified linear name -> statistics of its input
+    layer_report: dict[str, dict]  # qualified linear name -> error figures
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class LayerContext:
+    """What a layer step sees: the layer's parts, its calibration inputs, the run settings."""
+
+    index: int
+    adapter: ModelAdapter
+    parts: object
+    inputs: object
+    device: torch.device
+    recipe: Recipe
+    batch_size: int
+    notes: list[str]
+
+
+def _qualified(index: int, name: str) -> str:
+    sub = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return f"model.layers.{index}.{sub}.{name}"
+
+
+def weight_error(w: torch.Tensor, qweight: QuantizedWeight, stats: InputStats) -> dict:
+    """Relative weight error, and the output error it causes on the calibration inputs
+    (diagonal-Hessian approximation: sum_k E[x_k^2] |dW[:, k]|^2 over sum_k E[x_k^2] |W[:, k]|^2)."""
+    w = w.float()
+    dw = qweight.dequantize().to(w.device) - w
+    msq = stats.mean_sq.to(w.device)
+    return {
+        "weight_rel_error": float(dw.norm() / w.norm().clamp(min=1e-12)),
+        "output_rel_error": float(((dw.pow(2).sum(0) * msq).sum() / (w.pow(2).sum(0) * msq).sum().clamp(min=1e-30)).sqrt()),
+    }
+
+
+def solve_linear(weight: torch.Tensor, stats: InputStats, recipe: Recipe, solver_params: dict) -> QuantizedWeight:
+    """Round one weight [N, K] in the recipe's format: GPTQ if the recipe asks, else RTN."""
+    scheme = WeightScheme(recipe.weights)
+    clip = None
+    if "clip" in solver_params:
+        from qoqtool.quantizers.clipping import search_clip
+
+        clip = search_clip(weight, stats, scheme, solver_params["clip"])
+    if "gptq" in solver_params:
+        from qoqtool.quantizers.gptq import gptq_quantize
+
+        return gptq_quantize(weight, stats.hessian(), scheme, solver_params["gptq"], clip=clip)
+    return scheme.quantize(weight, clip)
+
+
+@torch.no_grad()
+def quantize_model(
+    model: torch.nn.Module,
+    recipe: Recipe,
+    tokens: torch.Tensor,
+    device: str | torch.device = "cpu",
+    batch_size: int = 8,
+    progress: ProgressFn | None = None,
+) -> QuantizeResult:
+    start = time.perf_counter()
+    device = torch.device(device)
+    adapter = ModelAdapter(model)
+    notes: list[str] = []
+    model.to("cpu")
+    model.config.use_cache = False
+    # The KV quantizer lives in the attention function; layers switch it on once quantized,
+    # so that each layer's calibration sees the quantized cache of the layers before it.
+    enable_kv_quantization(model, 16)
+
+    for step in recipe.steps:
+        if STEPS[step.name].phase == "model":
+            STEPS[step.name].run(adapter, step_params(step.name, step.params), notes)
+
+    layer_steps = [(s.name, step_params(s.name, s.params)) for s in recipe.steps if STEPS[s.name].phase == "layer"]
+    solver = {s.name: step_params(s.name, s.params) for s in recipe.steps if STEPS[s.name].phase == "solver"}
+
+    inputs = capture_first_layer_inputs(adapter, tokens, device)
+    all_stats: dict[str, InputStats] = {}
+    report: dict[str, dict] = {}
+    for i in range(adapter.num_layers):
+        parts = adapter.parts(i)
+        parts.layer.to(device)
+        ctx = LayerContext(i, adapter, parts, inputs, device, recipe, batch_size, notes)
+        for name, params in layer_steps:
+            STEPS[name].run(ctx, params)
+        stats, _ = collect_input_stats(parts, inputs, device, with_hessian="gptq" in solver, batch_size=batch_size)
+        for name in LINEAR_NAMES:
+            linear = getattr(parts, name)
+            qweight = solve_linear(linear.weight.data, stats[name], recipe, solver)
+            qualified = _qualified(i, name)
+            report[qualified] = weight_error(linear.weight.data, qweight, stats[name])
+            parent = parts.attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else parts.mlp
+            setattr(parent, name, QuantLinear(qweight, linear.bias, recipe.act_bits).to(device))
+            stats[name].xtx = None  # Hessians are large; keep only the per-channel figures
+            all_stats[qualified] = stats[name]
+        parts.attn.qoq_kv_bits = recipe.kv_bits
+        inputs.hidden = run_layer(parts.layer, inputs, device, batch_size)
+        parts.layer.to("cpu")
+        if progress:
+            progress("layers", i + 1, adapter.num_layers)
+
+    enable_kv_quantization(model, recipe.kv_bits)
+    return QuantizeResult(model, recipe, all_stats, report, notes, time.perf_counter() - start)

@@ -1,0 +1,118 @@
+"""The layer-by-layer calibration runner.
+
+Only one decoder layer is on the device at a time. The runner captures the inputs of
+layer 0 (and the keyword arguments the model passes its layers: rotary embeddings, mask),
+then, for each layer in turn, lets the caller transform and quantize it, and runs the
+*quantized* layer to produce the next layer's inputs - so every layer is calibrated on the
+activations it will really see. Hidden states live on the CPU between layers and move to
+the device one batch at a time, so device memory does not grow with depth or data.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from qoqtool.models.adapter import ModelAdapter
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _Catcher(nn.Module):
+    """Stands in for layer 0: records its inputs, then stops the forward pass."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.inputs: list[torch.Tensor] = []
+        self.kwargs: dict | None = None
+        # transformers reads these off layers while it builds masks
+        self.attention_type = getattr(layer, "attention_type", "full_attention")
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.inputs.append(hidden_states.detach().cpu())
+        if self.kwargs is None:
+            self.kwargs = kwargs
+        raise _StopForward
+
+
+@dataclass
+class LayerInputs:
+    """Hidden states entering one layer ([N, L, H] on the CPU) and the layer kwargs."""
+
+    hidden: torch.Tensor
+    kwargs: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def capture_first_layer_inputs(adapter: ModelAdapter, tokens: torch.Tensor, device) -> LayerInputs:
+    """Embed all calibration samples and capture what layer 0 receives."""
+    model, layers = adapter.model, adapter.layers
+    first = layers[0]
+    catcher = _Catcher(first)
+    layers[0] = catcher
+    # Everything before layer 0 (embeddings, rotary tables) runs on the device briefly.
+    pre = [adapter.embed_tokens, adapter.decoder.rotary_emb] if hasattr(adapter.decoder, "rotary_emb") else [adapter.embed_tokens]
+    for module in pre:
+        module.to(device)
+    try:
+        for i in range(tokens.shape[0]):
+            try:
+                model(tokens[i : i + 1].to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        layers[0] = first
+        if str(device) != "cpu":
+            for module in pre:
+                module.to("cpu")
+    kwargs = {k: _to_device(v, "cpu") for k, v in (catcher.kwargs or {}).items()}
+    return LayerInputs(torch.cat(catcher.inputs), kwargs)
+
+
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    return value
+
+
+def layer_kwargs(inputs: LayerInputs, device) -> dict:
+    kwargs = {k: _to_device(v, device) for k, v in inputs.kwargs.items()}
+    for key in ("past_key_values", "past_key_value", "cache"):
+        kwargs.pop(key, None)
+    kwargs["use_cache"] = False
+    return kwargs
+
+
+@torch.no_grad()
+def run_layer(layer: nn.Module, inputs: LayerInputs, device, batch_size: int = 8) -> torch.Tensor:
+    """Run `layer` over all hidden states in batches; returns [N, L, H] on the CPU."""
+    kwargs = layer_kwargs(inputs, device)
+    outs = []
+    for start in range(0, inputs.hidden.shape[0], batch_size):
+        x = inputs.hidden[start : start + batch_size].to(device)
+        y = layer(x, **kwargs)
+        y = y[0] if isinstance(y, tuple) else y
+        outs.append(y.detach().to("cpu", inputs.hidden.dtype))
+    return torch.cat(outs)
+
+
+@contextmanager
+def forward_hooks(modules: dict[str, nn.Module], fn):
+    """Call fn(name, module_input) on every forward of each named module."""
+    handles = [
+        module.register_forward_hook(lambda mod, args, out, name=name: fn(name, args[0]))
+        for name, module in modules.items()
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,60 @@
+"""The `qoqtool` command line: quantize, pack, eval, info, recipes.
+
+Each command validates its arguments before any heavy work, reports progress on stderr,
+prints a result table on stdout, and can write machine-readable JSON (`--json FILE`, or
+`--json -` for stdout). A problem with the input is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from qoqtool.errors import UserError
+
+app = typer.Typer(
+    name="qoqtool",
+    help=(
+        "Quantize Llama-family LLMs to W4A8KV4 with QoQ (4-bit weights, 8-bit activations, "
+        "4-bit KV cache), pack them for Hopper kernels, and evaluate them.\n\n"
+        "Typical run on the bundled demo model:\n\n"
+        "  qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 --calib synthetic -o smol-qoq\n\n"
+        "  qoqtool eval smol-qoq --tasks fidelity\n\n"
+        "  qoqtool pack smol-qoq -o smol-qoq-packed\n\n"
+        "MODEL is a hub id (org/name), a local Hugging Face folder, a .gguf file, or "
+        "smollm2-135m. Offline evaluation data: --data-dir DIR or QOQTOOL_DATA_DIR."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+
+# Commands register themselves on `app` when their modules are imported.
+from qoqtool.cli import commands  # noqa: E402,F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: user errors become one line and exit code 2."""
+    from qoqtool.cli.ui import err
+
+    try:
+        app(args=argv, standalone_mode=False)
+    except UserError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted; nothing was written")
+        sys.exit(130)
+    except Exception as e:  # click's own usage errors carry their exit code
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(130)
+        raise

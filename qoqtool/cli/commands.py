@@ -1,0 +1,265 @@
+"""The commands. Each validates everything it can before loading a model."""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from qoqtool.cli import app
+from qoqtool.cli import ui
+from qoqtool.errors import UserError
+
+DEVICE_HELP = "cpu, or cuda (a GPU: calibration runs there layer by layer; packed models use the kernels)."
+
+
+def _check_device(device: str) -> str:
+    import torch
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UserError(f"unknown device {device!r}; use cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    return device
+
+
+def _peak_memory_mib() -> float:
+    # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _default_output(model: str, recipe: str) -> str:
+    stem = Path(model.rstrip("/")).name.removesuffix(".gguf")
+    return f"{stem}-{Path(recipe).stem}"
+
+
+# ----------------------------------------------------------------------------------------
+@app.command()
+def quantize(
+    model: str = typer.Argument(..., help="Hub id, local HF folder, .gguf file, or smollm2-135m."),
+    recipe: str = typer.Option("qoq-w4a8kv4-g128", "--recipe", "-r", help="Recipe name (see `qoqtool recipes`) or a YAML file."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Output folder [default: MODEL-RECIPE]."),
+    calib: str = typer.Option("pile", "--calib", help="wikitext2, pile, synthetic (data-free), or a .txt/.jsonl file."),
+    calib_samples: int = typer.Option(64, "--calib-samples", help="Number of calibration sequences."),
+    calib_seqlen: int = typer.Option(512, "--calib-seqlen", help="Tokens per calibration sequence."),
+    seed: int = typer.Option(0, "--seed", help="Seed for sampling calibration windows (and synthetic text)."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="QOQTOOL_DATA_DIR", help="Local copies of the data sets (see README)."),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    batch_size: int = typer.Option(8, "--batch-size", help="Calibration sequences per forward pass."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Also write a JSON summary to this file ('-' for stdout)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+):
+    """Quantize MODEL with a recipe and write a folder of integer codes, scales and statistics.
+
+    Calibration is layer by layer: one decoder layer on the device at a time, each layer
+    calibrated on the outputs of the already-quantized layers before it.
+
+    Examples:
+
+      qoqtool quantize smollm2-135m -r rtn-w4a8kv4-g128 --calib synthetic -o smol-rtn
+
+      qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g64 --calib wikitext2 --data-dir ../shared/data -o smol-qoq
+    """
+    from qoqtool.data.calibration import build_calibration, validate_args
+    from qoqtool.packing import folder as fs
+    from qoqtool.recipe import load_recipe
+
+    t0 = time.perf_counter()
+    rec = load_recipe(recipe)
+    validate_args(calib, calib_samples, calib_seqlen)
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
+    device = _check_device(device)
+    output = output or _default_output(model, recipe)
+    fs.check_output_dir(output, overwrite)
+    if calib in ("wikitext2", "pile"):
+        from qoqtool.data import sources
+
+        root = sources.data_dir(data_dir)
+        if root is not None and calib == "wikitext2":
+            sources.require_file(root, sources.WIKITEXT_FILES["validation"], "the WikiText-2 raw validation split")
+        if root is not None and calib == "pile":
+            sources.require_file(root, sources.PILE_FILE, 'Pile validation as JSON lines with a "text" field')
+
+    from qoqtool.calibration.pipeline import quantize_model
+    from qoqtool.models.loading import load_model
+    from qoqtool.packing import quantized
+
+    ui.err.print(f"loading {model} ...")
+    net, tokenizer, source = load_model(model, dtype="float32", device="cpu")
+    ui.err.print(f"calibration: {calib}, {calib_samples} x {calib_seqlen} tokens, seed {seed}")
+    if calib == "synthetic" and device != "cpu":
+        net.to(device)
+    calibration = build_calibration(calib, tokenizer, calib_samples, calib_seqlen, seed, data_dir, model=net)
+    with ui.progress_bar(f"quantize {rec.name}", enabled=not quiet) as bar:
+        result = quantize_model(net, rec, calibration.tokens, device=device, batch_size=batch_size, progress=bar)
+    path = quantized.save(result, tokenizer, output, model, {**calibration.describe(), "seed": seed}, overwrite)
+
+    errors = [r["output_rel_error"] for r in result.layer_report.values()]
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    summary = {
+        "output": str(path),
+        "recipe": rec.name,
+        "scheme": rec.summary(),
+        "calibration": calibration.describe(),
+        "linears": len(errors),
+        "mean_output_rel_error": sum(errors) / len(errors),
+        "quantize_seconds": round(result.seconds, 1),
+        "total_seconds": round(time.perf_counter() - t0, 1),
+        "peak_memory_mib": round(_peak_memory_mib(), 1),
+        "folder_mib": round(size / 2**20, 1),
+        "notes": result.notes,
+    }
+    ui.table(
+        f"quantized {model}",
+        ["", "value"],
+        [
+            ["output", summary["output"]],
+            ["recipe", f"{rec.name} ({rec.summary()})"],
+            ["calibration", f"{calib} {calib_samples}x{calib_seqlen} sha256 {calibration.sha256[:12]}"],
+            ["linears quantized", summary["linears"]],
+            ["mean output rel. error", summary["mean_output_rel_error"]],
+            ["quantize time (s)", summary["quantize_seconds"]],
+            ["peak memory (MiB)", summary["peak_memory_mib"]],
+            ["folder size (MiB)", summary["folder_mib"]],
+        ],
+    )
+    for note in result.notes:
+        ui.err.print(f"note: {note}")
+    ui.write_json(json_out, summary)
+
+
+# ----------------------------------------------------------------------------------------
+@app.command(name="eval")
+def evaluate(
+    models: list[str] = typer.Argument(..., help="One model or folder; two to compare (B against A)."),
+    tasks: str = typer.Option("wikitext2", "--tasks", "-t", help="Comma-separated tasks (see below)."),
+    seqlen: int = typer.Option(2048, "--seqlen", help="Perplexity window length."),
+    max_windows: Optional[int] = typer.Option(None, "--max-windows", help="Score only the first N windows."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="QOQTOOL_DATA_DIR", help="Local copies of the data sets."),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    fidelity_samples: int = typer.Option(8, "--fidelity-samples", help="Held-out sequences for the fidelity task."),
+    fidelity_seqlen: int = typer.Option(512, "--fidelity-seqlen", help="Tokens per fidelity sequence."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the fidelity text."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Zero-shot: at most N items per task."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Zero-shot: requests per forward pass."),
+    num_fewshot: int = typer.Option(0, "--num-fewshot", help="Zero-shot: in-context examples (0 = zero-shot)."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Write results as JSON to this file ('-' for stdout)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+):
+    """Evaluate an original model, a quantized folder or a packed folder.
+
+    Tasks: **wikitext2** (perplexity: HF rows joined with blank lines, tokenized once,
+    non-overlapping windows), **fidelity** (KL divergence and top-1 agreement against the
+    original model on text it generates itself: needs no data), and the lm-eval zero-shot
+    tasks **piqa**, **arc_easy**, **arc_challenge** (**arc** = both).
+
+    Examples:
+
+      qoqtool eval smollm2-135m --tasks wikitext2 --data-dir ../shared/data
+
+      qoqtool eval smol-qoq --tasks wikitext2,fidelity --max-windows 20 --json results.json
+
+      qoqtool eval smollm2-135m smol-qoq --tasks wikitext2 --max-windows 20
+    """
+    from qoqtool.eval.runner import run_eval
+    from qoqtool.eval.tasks import EvalSettings, check_task_data, parse_tasks
+
+    task_list = parse_tasks(tasks)
+    if len(models) > 2:
+        raise UserError(f"eval takes one model, or two to compare; got {len(models)}")
+    settings = EvalSettings(
+        seqlen=seqlen,
+        max_windows=max_windows,
+        data_dir=data_dir,
+        fidelity_samples=fidelity_samples,
+        fidelity_seqlen=fidelity_seqlen,
+        seed=seed,
+        limit=limit,
+        batch_size=batch_size,
+        num_fewshot=num_fewshot,
+    )
+    if max_windows is not None and max_windows < 1:
+        raise UserError(f"--max-windows must be at least 1 (got {max_windows})")
+    if fidelity_samples < 1 or fidelity_seqlen < 8:
+        raise UserError("--fidelity-samples must be >= 1 and --fidelity-seqlen >= 8")
+    check_task_data(task_list, settings)
+    device = _check_device(device)
+    for m in models:
+        _check_model_argument(m)
+
+    payload = run_eval(models, task_list, settings, device, show_progress=not quiet)
+    ui.write_json(json_out, payload)
+
+
+def _check_model_argument(spec: str) -> None:
+    """Resolve a model argument without loading it (fails fast on bad paths)."""
+    from qoqtool.packing import folder as fs
+
+    path = Path(spec).expanduser()
+    if path.is_dir() and fs.read_manifest(path) is not None:
+        return
+    from qoqtool.models.loading import load_config, resolve_model
+
+    load_config(resolve_model(spec))
+
+
+# ----------------------------------------------------------------------------------------
+@app.command()
+def pack(
+    quantized_dir: str = typer.Argument(..., help="A folder written by `qoqtool quantize`."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Output folder [default: QUANTIZED_DIR-packed]."),
+    outliers: Optional[str] = typer.Option(None, "--outliers", help="Keep this share of weights as fp16 outliers, e.g. 1%."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Also write the size report as JSON."),
+):
+    """Pack a quantized folder into the kernels' byte layout (see docs/format.md).
+
+    Example:
+
+      qoqtool pack smol-qoq -o smol-qoq-packed
+    """
+    try:
+        from qoqtool.packing.packed import pack_folder
+    except ImportError:
+        raise UserError("qoqtool pack is not yet implemented in this version") from None
+    report = pack_folder(quantized_dir, output or f"{quantized_dir.rstrip('/')}-packed", outliers, overwrite)
+    from qoqtool.cli.info import print_size_report
+
+    print_size_report(report)
+    ui.write_json(json_out, report)
+
+
+# ----------------------------------------------------------------------------------------
+@app.command()
+def info(
+    path: str = typer.Argument(..., help="A quantized or packed folder."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Also write the report as JSON."),
+):
+    """Show what a qoqtool folder holds: recipe, calibration, formats, bits and sizes.
+
+    Example:
+
+      qoqtool info smol-qoq
+    """
+    from qoqtool.cli.info import folder_report, print_folder_report
+
+    report = folder_report(path)
+    print_folder_report(report)
+    ui.write_json(json_out, report)
+
+
+@app.command()
+def recipes():
+    """List the bundled recipes (pass a name to --recipe, or a path to your own YAML)."""
+    from qoqtool.recipe import known_recipes, load_recipe
+
+    rows = []
+    for name in known_recipes():
+        r = load_recipe(name)
+        rows.append([name, r.summary(), ", ".join(s.name for s in r.steps) or "round to nearest"])
+    ui.table("recipes", ["name", "quantization", "steps"], rows)

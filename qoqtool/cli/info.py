@@ -1,0 +1,89 @@
+"""`qoqtool info`: what a quantized or packed folder holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qoqtool.cli import ui
+from qoqtool.errors import UserError
+from qoqtool.packing import folder as fs
+
+# Bits a format needs per stored weight element and per group/row parameter, as packed.
+_PARAM_BITS = {
+    "int8_channel": lambda m: (8, 16, 0),  # (code bits, bits per row, bits per group)
+    "uint4": lambda m: (4, 0, 16 + 4),  # FP16 scale + UINT4 zero per group (per-channel: one group)
+    "progressive": lambda m: (4, 16, 8 + 4),  # FP16 level-0 scale per row; UINT8 scale + UINT4 zero per group
+}
+
+
+def format_bits(meta: dict) -> tuple[int, int]:
+    """(stored weight elements including padding, total bits) of one linear as packed."""
+    n, k = meta["shape"]
+    g = meta.get("group_size") or k
+    kp = -(-k // g) * g
+    code, per_row, per_group = _PARAM_BITS[meta["kind"]](meta)
+    return n * kp, n * kp * code + n * per_row + n * (kp // g) * per_group
+
+
+def folder_report(path: str) -> dict:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"{path} is not a folder; pass a folder written by qoqtool quantize or pack")
+    manifest = fs.read_manifest(folder)
+    if manifest is None:
+        raise UserError(f"{path} has no qoqtool.json; it was not written by qoqtool quantize or pack")
+    if manifest.get("format") == "qoqtool-packed":
+        from qoqtool.packing.packed import packed_report
+
+        return packed_report(folder, manifest)
+    linears = manifest.get("linears", {})
+    stored = sum(format_bits(m)[0] for m in linears.values())
+    bits = sum(format_bits(m)[1] for m in linears.values())
+    logical = sum(m["shape"][0] * m["shape"][1] for m in linears.values())
+    kinds: dict[str, int] = {}
+    for m in linears.values():
+        kinds[m["kind"]] = kinds.get(m["kind"], 0) + 1
+    files = {f.name: f.stat().st_size for f in folder.iterdir() if f.is_file()}
+    return {
+        "path": str(folder),
+        "format": manifest.get("format"),
+        "format_version": manifest.get("format_version"),
+        "source_model": manifest.get("source_model"),
+        "recipe": manifest.get("recipe"),
+        "calibration": manifest.get("calibration"),
+        "notes": manifest.get("notes", []),
+        "linears": len(linears),
+        "formats": kinds,
+        "quantized_weights": logical,
+        "stored_weights": stored,
+        "bits_per_stored_weight": bits / max(stored, 1),
+        "bits_per_weight": bits / max(logical, 1),
+        "files": files,
+        "created": manifest.get("created"),
+    }
+
+
+def print_folder_report(report: dict) -> None:
+    recipe = report.get("recipe") or {}
+    calib = report.get("calibration") or {}
+    rows = [
+        ["format", f"{report['format']} v{report['format_version']}"],
+        ["source model", report.get("source_model")],
+        ["recipe", recipe.get("name")],
+        ["weights", str(recipe.get("weights"))],
+        ["activations / KV cache", f"{recipe.get('activations', {}).get('bits')} / {recipe.get('kv_cache', {}).get('bits')} bits"],
+        ["steps", ", ".join(next(iter(s)) for s in recipe.get("steps", [])) or "round to nearest"],
+        ["calibration", f"{calib.get('source')} {calib.get('samples')}x{calib.get('seqlen')}" if calib else "-"],
+        ["quantized linears", f"{report['linears']} {report['formats']}"],
+        ["bits / stored weight", report["bits_per_stored_weight"]],
+        ["bits / weight (logical)", report["bits_per_weight"]],
+    ]
+    for name, size in sorted(report["files"].items()):
+        rows.append([f"file {name}", f"{size / 2**20:.2f} MiB"])
+    for note in report.get("notes", []):
+        rows.append(["note", note])
+    ui.table(report["path"], ["", "value"], rows)
+
+
+def print_size_report(report: dict) -> None:
+    print_folder_report(report)

@@ -1,0 +1,148 @@
+"""Output folders: atomic writes, the manifest, checksums and safetensors validation.
+
+Every folder qoqtool writes (quantized or packed) is built in a hidden temporary folder
+beside the target and renamed into place when complete, so an interrupted run leaves
+nothing half-written. An existing target is replaced only with `overwrite=True`.
+
+The manifest `qoqtool.json` names the folder's format and version, the recipe, the
+calibration, and the sha256 of every tensor, so a loader can refuse what it does not
+understand or what was damaged.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from qoqtool import __version__
+from qoqtool.errors import UserError
+
+MANIFEST = "qoqtool.json"
+
+
+def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
+    """Fail early (before any work) if `out` exists and may not be replaced."""
+    path = Path(out).expanduser()
+    if path.exists() and not overwrite:
+        raise UserError(f"output {out} already exists; pass --overwrite to replace it or choose another folder")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output {out} exists and is not a folder")
+    return path
+
+
+@contextmanager
+def atomic_output_dir(out: str | os.PathLike, overwrite: bool):
+    """Yield a temporary folder; on success it replaces `out`, on failure it is removed."""
+    target = check_output_dir(out, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().cpu()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
+def versions() -> dict:
+    import transformers
+
+    return {"qoqtool": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+
+
+def read_manifest(folder: str | os.PathLike) -> dict | None:
+    """The folder's manifest, or None if it is not a qoqtool folder."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err.msg}); the folder is damaged, re-create it") from None
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """Validate a safetensors file's header against its size without reading the data.
+
+    Catches truncated and corrupt files with a one-line error, before any loader does.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    problem = None
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            problem = "shorter than a header"
+        else:
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                problem = "header length runs past the end"
+            else:
+                try:
+                    header = json.loads(fh.read(n))
+                    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+                    if 8 + n + end != size:
+                        problem = f"expected {8 + n + end} bytes, found {size}"
+                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError):
+                    problem = "header is not valid"
+    if problem:
+        raise UserError(f"{path} is truncated or corrupt ({problem}); re-create or re-download it")
+
+
+def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    check_safetensors(path)
+    return load_file(str(path))
+
+
+def verify_checksums(tensors: dict[str, torch.Tensor], expected: dict[str, dict], where: str) -> None:
+    """Compare each tensor's sha256 (and shape, dtype) with the manifest's record."""
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise UserError(f"{where} is missing tensor {missing[0]} (and {len(missing) - 1} more); re-create the folder")
+    for name, rec in expected.items():
+        t = tensors[name]
+        if list(t.shape) != rec["shape"] or str(t.dtype).removeprefix("torch.") != rec["dtype"]:
+            raise UserError(
+                f"{where}: tensor {name} is {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, "
+                f"the manifest says {rec['dtype']}{rec['shape']}; re-create the folder"
+            )
+        if tensor_sha256(t) != rec["sha256"]:
+            raise UserError(f"{where}: tensor {name} fails its sha256 checksum (damaged file); re-create the folder")
+
+
+def tensor_records(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    return {
+        name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t)}
+        for name, t in sorted(tensors.items())
+    }

@@ -1,0 +1,121 @@
+"""The folder `qoqtool quantize` writes: unpacked integer codes, ready to pack or evaluate.
+
+    config.json, tokenizer files     the (transformed) model's Hugging Face config
+    model.safetensors                float tensors (embeddings, norms, lm_head, biases) and,
+                                     per quantized linear PREFIX: PREFIX.codes (one code a
+                                     byte, [N, K_padded]) and the format's scales/zeros
+    calib_stats.safetensors          per linear input: PREFIX.act_mean_sq, PREFIX.act_absmax
+    qoqtool.json                     manifest: format "qoqtool-quantized", version, recipe,
+                                     calibration (source, hash), per-linear format and errors,
+                                     sha256 of every tensor
+
+Codes are kept one per byte here on purpose: this folder is the inspectable intermediate;
+`qoqtool pack` produces the compact kernel layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qoqtool.errors import UserError
+from qoqtool.packing import folder as fs
+from qoqtool.quantizers.formats import QuantizedWeight
+
+FORMAT = "qoqtool-quantized"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+STATS_FILE = "calib_stats.safetensors"
+
+
+def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Split a quantized model into stored tensors and per-linear format metadata."""
+    from qoqtool.runtime.reference import QuantLinear
+
+    tensors: dict[str, torch.Tensor] = {}
+    linears: dict[str, dict] = {}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            for key, value in module.qweight.tensors().items():
+                tensors[f"{name}.{key}"] = value.detach().contiguous().cpu()
+            linears[name] = {**module.qweight.meta(), "act_bits": module.act_bits}
+    for name, value in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue  # shared with the embeddings; the config re-ties them on load
+        tensors[name] = value.detach().contiguous().cpu()
+    return tensors, linears
+
+
+def save(result, tokenizer, out: str, source: str, calibration: dict, overwrite: bool = False) -> Path:
+    """Write a QuantizeResult to `out` atomically; returns the final path."""
+    model = result.model
+    tensors, linears = model_tensors(model)
+    for name, report in result.layer_report.items():
+        linears[name].update({k: round(v, 6) for k, v in report.items()})
+    stats = {}
+    for name, st in result.input_stats.items():
+        stats[f"{name}.act_mean_sq"] = st.mean_sq.contiguous().cpu()
+        stats[f"{name}.act_absmax"] = st.absmax.float().cpu().clone()  # q/k/v share one
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": fs.now(),
+        "versions": fs.versions(),
+        "source_model": source,
+        "recipe": result.recipe.to_dict(),
+        "calibration": calibration,
+        "architecture": (model.config.architectures or [type(model).__name__])[0],
+        "notes": list(result.notes),
+        "seconds": round(result.seconds, 1),
+        "linears": linears,
+        "files": {WEIGHTS_FILE: fs.tensor_records(tensors), STATS_FILE: fs.tensor_records(stats)},
+    }
+    with fs.atomic_output_dir(out, overwrite) as tmp:
+        model.config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_file(stats, str(tmp / STATS_FILE), metadata={"format": "pt"})
+        fs.write_manifest(tmp, manifest)
+    return Path(out)
+
+
+def check_manifest(manifest: dict, where: str) -> None:
+    if manifest.get("format") != FORMAT:
+        raise UserError(f"{where} is a {manifest.get('format')!r} folder, not {FORMAT!r}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise UserError(
+            f"{where} has format version {version}; this qoqtool reads version {FORMAT_VERSION} (upgrade qoqtool)"
+        )
+
+
+def load_weights(folder: str | Path, manifest: dict) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
+    """Read the folder's tensors, verify them, and rebuild the quantized weights.
+
+    Returns (quantized weights by linear name, remaining float tensors by state-dict name).
+    """
+    folder = Path(folder)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise UserError(f"{folder} has no {WEIGHTS_FILE}; re-create the folder")
+    tensors = fs.load_tensors(path)
+    fs.verify_checksums(tensors, manifest["files"][WEIGHTS_FILE], str(path))
+    weights = {}
+    for name, meta in manifest["linears"].items():
+        prefix = f"{name}."
+        own = {k[len(prefix) :]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix) and k[len(prefix) :] != "bias"}
+        weights[name] = QuantizedWeight.from_tensors(meta, own)
+    return weights, tensors
+
+
+def load_stats(folder: str | Path, manifest: dict) -> dict[str, torch.Tensor]:
+    path = Path(folder) / STATS_FILE
+    if not path.is_file():
+        raise UserError(f"{folder} has no {STATS_FILE}; re-run qoqtool quantize")
+    tensors = fs.load_tensors(path)
+    fs.verify_checksums(tensors, manifest["files"][STATS_FILE], str(path))
+    return tensors

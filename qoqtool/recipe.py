@@ -1,0 +1,126 @@
+"""Recipes: a quantization scheme as YAML that names each step and its parameters.
+
+A recipe is selected by name (a file in the top-level recipes/ folder, shipped inside the
+package as qoqtool.recipes) or by path. It says what is quantized and how (weights,
+activations, KV cache) and which steps run, in order, before the weights are rounded:
+
+    name: qoq-w4a8kv4-g128
+    weights:     {bits: 4, scheme: progressive, group_size: 128}
+    activations: {bits: 8}        # per-token symmetric INT8; 16 leaves them in float
+    kv_cache:    {bits: 4}        # per-token per-head asymmetric; 16 leaves it in float
+    steps:
+      - rotate: {}
+      - smooth_attention: {alpha: 0.5}
+      - gptq: {damp: 0.01, block_size: 128}
+
+`Recipe.to_dict()` is what the manifest records, so a run can be reproduced and diffed.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from qoqtool.errors import UserError
+from qoqtool.quantizers.schemes import WeightQuantConfig
+
+
+@dataclass
+class Step:
+    name: str
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class Recipe:
+    name: str
+    weights: WeightQuantConfig
+    act_bits: int = 8
+    kv_bits: int = 16
+    steps: list[Step] = field(default_factory=list)
+    description: str = ""
+
+    def step(self, name: str) -> Step | None:
+        return next((s for s in self.steps if s.name == name), None)
+
+    def to_dict(self) -> dict:
+        w = self.weights
+        return {
+            "name": self.name,
+            "description": self.description,
+            "weights": {"bits": w.bits, "scheme": w.scheme, "group_size": w.group_size},
+            "activations": {"bits": self.act_bits},
+            "kv_cache": {"bits": self.kv_bits},
+            "steps": [{s.name: dict(s.params)} for s in self.steps],
+        }
+
+    def summary(self) -> str:
+        kv = f"KV{self.kv_bits}" if self.kv_bits < 16 else "KV16"
+        return f"{self.weights.describe()}, A{self.act_bits}, {kv}"
+
+
+def recipes_dir() -> Path:
+    return Path(str(importlib.resources.files("qoqtool.recipes")))
+
+
+def known_recipes() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    path = Path(name_or_path).expanduser()
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise UserError(f"recipe file {name_or_path} does not exist")
+    else:
+        path = recipes_dir() / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise UserError(f"unknown recipe {name_or_path!r}; known recipes: {', '.join(known_recipes())}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    return recipe_from_dict(data, str(path))
+
+
+def recipe_from_dict(data: dict, origin: str = "<dict>") -> Recipe:
+    from qoqtool.calibration.steps import STEPS  # the registry of step names
+
+    if not isinstance(data, dict) or "name" not in data or "weights" not in data:
+        raise UserError(f"recipe {origin} needs at least 'name' and 'weights'")
+    w = data["weights"]
+    try:
+        weights = WeightQuantConfig(
+            bits=int(w.get("bits", 4)),
+            group_size=w.get("group_size") or None,
+            scheme=w.get("scheme", "asymmetric"),
+        )
+    except (ValueError, TypeError) as err:
+        raise UserError(f"recipe {origin}: weights: {err}") from None
+    act_bits = int((data.get("activations") or {}).get("bits", 16))
+    kv_bits = int((data.get("kv_cache") or {}).get("bits", 16))
+    if act_bits not in (8, 16):
+        raise UserError(f"recipe {origin}: activations.bits must be 8 or 16, not {act_bits}")
+    if kv_bits not in (4, 8, 16):
+        raise UserError(f"recipe {origin}: kv_cache.bits must be 4, 8 or 16, not {kv_bits}")
+    steps = []
+    for entry in data.get("steps") or []:
+        if isinstance(entry, str):
+            entry = {entry: {}}
+        if not isinstance(entry, dict) or len(entry) != 1:
+            raise UserError(f"recipe {origin}: each step is one 'name: {{params}}' mapping, got {entry!r}")
+        (name, params), = entry.items()
+        if name not in STEPS:
+            raise UserError(f"recipe {origin}: unknown step {name!r}; known steps: {', '.join(STEPS)}")
+        steps.append(Step(name, dict(params or {})))
+    return Recipe(
+        name=str(data["name"]),
+        weights=weights,
+        act_bits=act_bits,
+        kv_bits=kv_bits,
+        steps=steps,
+        description=str(data.get("description", "")).strip(),
+    )

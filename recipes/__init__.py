@@ -1,0 +1,1 @@
+"""Recipes: YAML files named after the scheme they describe (see qoqtool.recipe)."""
