@@ -47,7 +47,14 @@ NVCC_FLAGS = [
 
 
 def sources() -> list[Path]:
-    return sorted(KERNEL_DIR.glob("*.cu"))
+    """Every .cu here, or only those named in $QOQTOOL_KERNEL_SOURCES (comma-separated stems),
+    for building one kernel family while another is being edited."""
+    chosen = os.environ.get("QOQTOOL_KERNEL_SOURCES")
+    found = sorted(KERNEL_DIR.glob("*.cu"))
+    if chosen:
+        wanted = {s.strip() for s in chosen.split(",")} | {"errors"}
+        found = [p for p in found if p.stem in wanted]
+    return found
 
 
 def headers() -> list[Path]:
