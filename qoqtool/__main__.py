@@ -1,0 +1,3 @@
+from qoqtool.cli import main
+
+main()

@@ -1,0 +1,59 @@
+"""Capture what layer steps need from one pass of a layer over its calibration inputs:
+per-channel absolute maxima of linear inputs, a seeded subsample of those inputs (for grid
+searches), and the absolute maxima of post-RoPE keys per KV head and channel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qoqtool.calibration.runner import forward_hooks, layer_kwargs
+
+
+@dataclass
+class LayerCapture:
+    absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> [K]
+    samples: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> [T, K] float32
+    key_absmax: torch.Tensor | None = None  # [kv_heads, head_dim]
+
+
+@torch.no_grad()
+def capture_layer(ctx, names: tuple[str, ...], max_tokens: int = 2048, keys: bool = False, seed: int = 0) -> LayerCapture:
+    """Run ctx.parts.layer over ctx.inputs; watch the inputs of the named linears."""
+    parts, inputs = ctx.parts, ctx.inputs
+    n, length = inputs.hidden.shape[:2]
+    total = n * length
+    gen = torch.Generator().manual_seed(seed * 7919 + ctx.index)
+    cap = LayerCapture()
+    chunks: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    keep_per_batch: list[torch.Tensor] = []  # indices chosen for the current batch
+
+    def watch(name, x):
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        amax = x2.abs().amax(0).cpu()
+        cap.absmax[name] = amax if name not in cap.absmax else torch.maximum(cap.absmax[name], amax)
+        if max_tokens:
+            chunks[name].append(x2[keep_per_batch[-1].to(x2.device)].cpu())
+
+    def observe(key, value):
+        amax = key.float().abs().amax(dim=(0, 2)).cpu()  # key [B, kv_heads, T, d]
+        cap.key_absmax = amax if cap.key_absmax is None else torch.maximum(cap.key_absmax, amax)
+
+    modules = {name: getattr(parts, name) for name in names}
+    if keys:
+        parts.attn.qoq_observer = observe
+    kwargs = layer_kwargs(inputs, ctx.device)
+    try:
+        with forward_hooks(modules, watch):
+            for start in range(0, n, ctx.batch_size):
+                x = inputs.hidden[start : start + ctx.batch_size].to(ctx.device)
+                rows = x.shape[0] * length
+                take = min(rows, -(-max_tokens * rows // total)) if max_tokens else 0
+                keep_per_batch.append(torch.randperm(rows, generator=gen)[:take])
+                parts.layer(x, **kwargs)
+    finally:
+        parts.attn.qoq_observer = None
+    cap.samples = {name: torch.cat(c) for name, c in chunks.items() if c}
+    return cap

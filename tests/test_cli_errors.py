@@ -1,0 +1,102 @@
+"""Bad input: one line on stderr naming the problem, exit code 2, no traceback, nothing written."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import tiny_model
+
+
+def run_cli(*args, env=None, cwd=None):
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "0", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "qoqtool", *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=300)
+
+
+def assert_user_error(proc, *words):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast  # noqa: F401  (a folder needs no tokenizer to fail)
+
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama").save_pretrained(path)
+    return path
+
+
+def test_missing_model_path(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli("quantize", str(tmp_path / "nope"), "-r", "rtn-w8a8", "-o", str(out))
+    assert_user_error(proc, "does not exist")
+    assert not out.exists()
+
+
+def test_hub_id_offline(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli("quantize", "someorg/some-model", "-r", "rtn-w8a8", "-o", str(out),
+                   env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")})
+    assert_user_error(proc, "hub", "local")
+    assert not out.exists()
+
+
+def test_unsupported_architecture(tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    proc = run_cli("quantize", str(folder), "-r", "rtn-w8a8", "-o", str(tmp_path / "out"))
+    assert_user_error(proc, "unsupported architecture GPT2LMHeadModel", "LlamaForCausalLM")
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_safetensors(tmp_path, tiny_folder):
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_folder, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    proc = run_cli("quantize", str(folder), "-r", "rtn-w8a8", "--calib", "synthetic", "-o", str(tmp_path / "out"))
+    assert_user_error(proc, "truncated or corrupt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_recipe_lists_known(tmp_path, tiny_folder):
+    proc = run_cli("quantize", str(tiny_folder), "-r", "w3a3", "-o", str(tmp_path / "out"))
+    assert_user_error(proc, "unknown recipe", "rtn-w4a8kv4-g128", "qoq-w4a8kv4-g128")
+
+
+def test_zero_calibration_samples(tmp_path, tiny_folder):
+    proc = run_cli("quantize", str(tiny_folder), "-r", "rtn-w8a8", "--calib-samples", "0", "-o", str(tmp_path / "out"))
+    assert_user_error(proc, "--calib-samples")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_task(tiny_folder):
+    proc = run_cli("eval", str(tiny_folder), "--tasks", "nosuchtask")
+    assert_user_error(proc, "unknown task", "wikitext2")
+
+
+def test_data_dir_without_files(tmp_path, tiny_folder):
+    empty = tmp_path / "data"
+    empty.mkdir()
+    proc = run_cli("eval", str(tiny_folder), "--tasks", "wikitext2", "--data-dir", str(empty))
+    assert_user_error(proc, "wikitext-2-raw/wiki.test.raw")
+
+
+def test_existing_output_needs_overwrite(tmp_path, tiny_folder):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = run_cli("quantize", str(tiny_folder), "-r", "rtn-w8a8", "-o", str(out))
+    assert_user_error(proc, "already exists", "--overwrite")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -1,0 +1,102 @@
+"""QoQ's transforms are exact in full precision; Hadamard construction."""
+
+import pytest
+import torch
+
+from qoqtool.calibration.pipeline import quantize_model
+from qoqtool.errors import UserError
+from qoqtool.recipe import load_recipe, recipe_from_dict
+from qoqtool.transforms.hadamard import decompose, hadamard, random_hadamard
+from tests.conftest import tiny_model
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 12, 20, 28, 36, 64, 576, 768, 1536, 3584, 5120])
+def test_hadamard_orders(n):
+    h = hadamard(n)
+    assert torch.equal(h.abs(), torch.ones(n, n, dtype=h.dtype))
+    assert torch.equal(h @ h.t(), n * torch.eye(n, dtype=h.dtype))
+
+
+def test_hadamard_unsupported_size_names_it():
+    for n in (9, 100, 6):
+        assert decompose(n) is None
+        with pytest.raises(UserError, match=f"order {n}"):
+            hadamard(n)
+
+
+def test_random_hadamard_is_orthogonal_and_seeded():
+    a, b, c = random_hadamard(576, 0), random_hadamard(576, 0), random_hadamard(576, 1)
+    assert torch.allclose(a @ a.t(), torch.eye(576, dtype=a.dtype), atol=1e-12)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _transform_recipe(steps):
+    return recipe_from_dict({
+        "name": "transforms-only",
+        "weights": {"bits": 4, "scheme": "progressive", "group_size": 32},
+        "activations": {"bits": 8},
+        "kv_cache": {"bits": 4},
+        "steps": steps,
+    })
+
+
+ALL_STEPS = [
+    {"rotate": {"value_hadamard": True}},
+    {"smooth_attention": {"alpha": 0.5}},
+    {"smooth_output": {"grid": 4, "max_tokens": 256}},
+    {"reorder": {}},
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_transforms_keep_logits(arch, tie):
+    model = tiny_model(arch, seed=3, tie=tie)
+    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(tokens, use_cache=False).logits.double()
+    result = quantize_model(model, _transform_recipe(ALL_STEPS), tokens, transform_only=True)
+    with torch.no_grad():
+        out = model(tokens, use_cache=False).logits.double()
+    rel = float((out - ref).norm() / ref.norm())
+    assert rel < 1e-4, rel
+    if tie:
+        assert any("untied" in n for n in result.notes) and not model.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("step", ALL_STEPS, ids=lambda s: next(iter(s)))
+def test_each_transform_alone_keeps_logits(step):
+    model = tiny_model("qwen2", seed=5)
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(tokens, use_cache=False).logits.double()
+    quantize_model(model, _transform_recipe([step]), tokens, transform_only=True)
+    with torch.no_grad():
+        out = model(tokens, use_cache=False).logits.double()
+    assert float((out - ref).norm() / ref.norm()) < 1e-4
+
+
+@pytest.mark.slow
+def test_transforms_keep_logits_on_demo_model(shared_data):
+    from qoqtool.data.calibration import build_calibration
+    from qoqtool.models.loading import load_model
+
+    model, tok, _ = load_model("smollm2-135m")  # its own copy: the transforms rewrite weights
+    calib = build_calibration("wikitext2", tok, 4, 64, 0, str(shared_data))
+    x = calib.tokens[:2]
+    with torch.no_grad():
+        ref = model(x, use_cache=False).logits.double()
+    recipe = load_recipe("qoq-w4a8kv4-g128")
+    quantize_model(model, recipe, calib.tokens, transform_only=True)
+    with torch.no_grad():
+        out = model(x, use_cache=False).logits.double()
+    assert float((out - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_smooth_attention_scales_are_rope_tied():
+    from qoqtool.transforms.smooth_attention import attention_scales
+
+    amax = torch.rand(3, 64) * 10
+    lam = attention_scales(amax, 0.5)
+    assert torch.equal(lam[:, :32], lam[:, 32:])
+    assert torch.all(lam >= amax.double().pow(0.5) - 1e-12)
