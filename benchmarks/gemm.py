@@ -1,0 +1,232 @@
+"""GEMM benchmark (one GPU): our W4A8 and W8A8 kernels against cuBLAS, with the floors beside them.
+
+    python benchmarks/gemm.py [--quick] [--explore] [--json PATH]
+
+For M in {1, 16, 64, 256, 1024, 4096, 8192} x (N, K) in the five shapes of issue 4:
+  w4a8 per-group (QoQ progressive, g128), w4a8 per-channel, w8a8 (ours),
+  bf16 torch.matmul (cuBLAS), INT8 torch._int_mm (cuBLASLt; it needs M > 16, so M <= 16
+  is timed at M = 17 and marked so).
+Timing: one CUDA graph holds R calls of an op, each on its own copy of the weights (for
+small M the copies span more than twice the 60 MB L2, so every call streams its weights
+from HBM, as in a real forward pass); triton.testing.do_bench replays it (median) and
+the time per call is the replay time / R. Activations are shared (they are small and a
+real layer finds them in L2 too).
+Floors: max(bytes / 4.2 TB/s, ops / INT8 rate), bytes = packed weights + activations +
+output, the INT8 rate = the best torch._int_mm rate measured in this run. --explore also
+times each kernel choice for mid-sized M (what cuda_ops.plan picks between).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from qoqtool.runtime import cuda_ops
+
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (14336, 4096)]  # (N, K)
+MS = [1, 16, 64, 256, 1024, 4096, 8192]
+HBM_BYTES_PER_S = 4.2e12
+L2_BYTES = 60e6
+GROUP = 128
+
+
+def copies_for(weight_bytes: int, m: int) -> int:
+    """Weight copies per graph: > 2x L2 while weights dominate, else just enough to average."""
+    if m >= 1024:
+        return 2
+    return max(4, min(32, math.ceil(2.5 * L2_BYTES / weight_bytes)))
+
+
+def time_calls(calls) -> float:
+    """Microseconds per call: all calls captured in one CUDA graph, replayed under do_bench."""
+    for f in calls:  # warm up outside the capture (library load, cuBLAS handles, workspaces)
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    return ms * 1e3 / len(calls)
+
+
+def rand_u8(shape, lo, hi, g):
+    return torch.randint(lo, hi + 1, shape, dtype=torch.uint8, device="cuda", generator=g)
+
+
+def w4_operands(n, k, kind, g):
+    """Random packed operands; values kept in the kernels' contract (s1 <= 16, z*s1 <= 128)."""
+    nt, kt = n // 32, k // 32
+    qweight = rand_u8((nt, kt, 32, 16), 0, 255, g)
+    scale = (torch.rand(n, device="cuda", generator=g) * 1e-3 + 1e-4).half()
+    if kind == "per_group":
+        groups = k // GROUP
+        return qweight, scale, rand_u8((nt, groups, 32), 1, 8, g), rand_u8((nt, groups, 32), 0, 64, g)
+    return qweight, scale, rand_u8((n,), 0, 15, g)
+
+
+def measure_shape(n: int, k: int, m: int, g) -> dict:
+    row = {"M": m, "N": n, "K": k}
+    w4_bytes = n * k // 2
+    copies = copies_for(w4_bytes, m)
+    x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+    x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
+    x_rowsum = x_q.sum(1, dtype=torch.int32)
+
+    pg = [w4_operands(n, k, "per_group", g) for _ in range(copies)]
+    row["per_group_us"] = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in pg])
+    del pg
+    pc = [w4_operands(n, k, "per_channel", g) for _ in range(copies)]
+    row["per_channel_us"] = time_calls(
+        [lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *w, n) for w in pc])
+    del pc
+
+    copies8 = copies_for(n * k, m)
+    w8 = [(torch.randint(-127, 128, (n // 32, k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
+           (torch.rand(n, device="cuda", generator=g) * 1e-3).half()) for _ in range(copies8)]
+    row["w8a8_us"] = time_calls([lambda w=w: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w, n) for w in w8])
+    # cuBLAS INT8 on the same bytes: _int_mm wants the weight column-major ([K, N] view of [N, K]).
+    m8 = max(m, 17)
+    a8 = torch.randint(-127, 128, (m8, k), dtype=torch.int8, device="cuda", generator=g)
+    row["int_mm_M"] = m8
+    row["int_mm_us"] = time_calls([lambda w=w: torch._int_mm(a8, w[0].view(n, k).t()) for w in w8])
+    del w8
+
+    copies16 = copies_for(n * k * 2, m)
+    xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies16)]
+    row["bf16_us"] = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
+    del wb
+
+    row["bytes_w4"] = w4_bytes + 2 * n + m * k + 2 * m + 2 * m * n + (2 * n * k // GROUP)
+    row["ops"] = 2 * m * n * k
+    return row
+
+
+def explore(g) -> list[dict]:
+    """Each kernel choice (per-group, square shapes) for a few M: what the plan weighs."""
+    out = []
+    sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
+    cases = [(m, 4096) for m in (1, 16)] + [(m, 8192) for m in (1, 16, 32, 64, 128, 256, 512)]
+    for m, n in cases:
+        k = n
+        x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+        x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
+        weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
+        auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
+        if m <= 16:
+            choices = {auto} | {cuda_ops.Plan(cuda_ops.STREAM, auto.tile, s) for s in (1, 2, 4)}
+        else:
+            choices = {auto, cuda_ops.Plan(cuda_ops.STREAM, 8, 1), cuda_ops.Plan(cuda_ops.STREAM, 8, 2)}
+        if hopper and m > 16:
+            choices |= {cuda_ops.Plan(cuda_ops.WGMMA, 1, 1), cuda_ops.Plan(cuda_ops.WGMMA, 1, 2),
+                        cuda_ops.Plan(cuda_ops.WGMMA, 2, 1), cuda_ops.Plan(cuda_ops.WGMMA, 2, 2)}
+        for p in sorted(choices, key=lambda p: (p.kernel, p.tile, p.splits)):
+            cuda_ops.PLAN_OVERRIDE = p
+            try:
+                us = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
+            finally:
+                cuda_ops.PLAN_OVERRIDE = None
+            name = f"{'wgmma' if p.kernel else 'stream'} tile={p.tile} splits={p.splits}"
+            out.append({"M": m, "N": n, "K": k, "plan": name, "auto": p == auto, "us": us})
+            print(f"  explore M={m:5d} {n}x{k} {name:28s} {us:9.1f} us{'  <- plan' if p == auto else ''}", flush=True)
+    return out
+
+
+def fused(g) -> list[dict]:
+    rows = []
+    k = 4096
+    weight = torch.rand(k, device="cuda", generator=g).half()
+    for m in (1, 16, 4096):
+        x = torch.randn(m, k, device="cuda", generator=g).half()
+        up = torch.randn(m, k, device="cuda", generator=g).half()
+        for name, f in (("quantize_per_token", lambda: torch.ops.qoqtool.quantize_per_token(x, k)),
+                        ("rmsnorm_quantize", lambda: torch.ops.qoqtool.rmsnorm_quantize(x, weight, 1e-5, k)),
+                        ("silu_mul_quantize", lambda: torch.ops.qoqtool.silu_mul_quantize(x, up, k))):
+            us = time_calls([f] * 8)
+            bytes_moved = m * k * (2 + 1) + (m * k * 2 if name == "silu_mul_quantize" else 0)
+            rows.append({"op": name, "M": m, "K": k, "us": us, "GBps": bytes_moved / us / 1e3})
+            print(f"  {name:20s} M={m:5d} K={k}: {us:7.2f} us  {bytes_moved / us / 1e3:8.1f} GB/s", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    int8_rate = max(r["ops"] / (r["int_mm_us"] * 1e-6) * r["int_mm_M"] / r["M"] for r in rows if r["M"] >= 4096)
+    lines = [f"INT8 rate for the floors (best torch._int_mm here): {int8_rate / 1e12:.0f} TOP/s; HBM 4.2 TB/s",
+             "",
+             f"{'M':>5} {'N x K':>12} | {'bf16':>8} {'int_mm':>8} | {'w4 g128':>8} {'w4 chn':>8} {'w8a8':>8} |"
+             f" {'g128/bf16':>9} {'chn/bf16':>8} {'g128/int8':>9} {'w8/int8':>8} | {'floor':>7} {'g128 eff':>8}"]
+    for r in rows:
+        floor = max(r["bytes_w4"] / HBM_BYTES_PER_S, r["ops"] / int8_rate) * 1e6
+        r["floor_us"] = floor
+        int_mm = f"{r['int_mm_us']:8.1f}" + ("*" if r["int_mm_M"] != r["M"] else " ")
+        lines.append(
+            f"{r['M']:5d} {r['N']:>5}x{r['K']:<6} | {r['bf16_us']:8.1f} {int_mm}| {r['per_group_us']:8.1f}"
+            f" {r['per_channel_us']:8.1f} {r['w8a8_us']:8.1f} | {r['bf16_us'] / r['per_group_us']:9.2f}"
+            f" {r['bf16_us'] / r['per_channel_us']:8.2f} {r['int_mm_us'] / r['per_group_us']:9.2f}"
+            f" {r['int_mm_us'] / r['w8a8_us']:8.2f} | {floor:7.1f} {floor / r['per_group_us']:8.0%}")
+    lines.append("(* torch._int_mm needs M > 16: timed at M = 17)")
+    return lines
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The speed targets of issue 4, each with its measured worst case."""
+    def worst(pred, key, base):
+        sel = [r for r in rows if pred(r)]
+        return min(r[base] / r[key] for r in sel) if sel else float("nan")
+
+    checks = []
+    for kind in ("per_group", "per_channel"):
+        us = f"{kind}_us"
+        checks += [
+            (f"{kind}: >= 3.5x bf16 at M <= 16 on 8192x8192", worst(lambda r: r["M"] <= 16 and r["N"] == r["K"] == 8192, us, "bf16_us"), 3.5),
+            (f"{kind}: >= 2.5x bf16 at M = 16 on 4096x4096", worst(lambda r: r["M"] == 16 and r["N"] == r["K"] == 4096, us, "bf16_us"), 2.5),
+            (f"{kind}: >= 1.5x bf16 at M = 256 (all shapes)", worst(lambda r: r["M"] == 256, us, "bf16_us"), 1.5),
+            (f"{kind}: >= 1.2x bf16 at M >= 4096 (all shapes)", worst(lambda r: r["M"] >= 4096, us, "bf16_us"), 1.2),
+            (f"{kind}: >= 1.0x torch._int_mm at M >= 4096", worst(lambda r: r["M"] >= 4096, us, "int_mm_us"), 1.0),
+        ]
+    return [f"{'MET   ' if got >= need else 'MISSED'} {what}: worst {got:.2f}x" for what, got, need in checks]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="M in {1, 16, 256, 4096} on two shapes only")
+    ap.add_argument("--explore", action="store_true", help="also time every kernel choice for mid-sized M")
+    ap.add_argument("--json", default=None, help="write all numbers here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gemm.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    shapes, ms = (SHAPES[::3], [1, 16, 256, 4096]) if args.quick else (SHAPES, MS)
+    rows = []
+    for n, k in shapes:
+        for m in ms:
+            r = measure_shape(n, k, m, g)
+            rows.append(r)
+            print(f"M={m:5d} N={n:6d} K={k:6d}: bf16 {r['bf16_us']:8.1f}  int_mm {r['int_mm_us']:8.1f}  "
+                  f"g128 {r['per_group_us']:8.1f}  chn {r['per_channel_us']:8.1f}  w8a8 {r['w8a8_us']:8.1f} us",
+                  flush=True)
+            torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gemm": rows}
+    print("\nfused quantization kernels:", flush=True)
+    result["fused"] = fused(g)
+    if args.explore:
+        print("\nkernel choices by M (per-group):", flush=True)
+        result["explore"] = explore(g)
+    table = summarize(rows)
+    result["table"], result["targets"] = table, targets(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print("\n" + "\n".join(table + [""] + result["targets"]))
+
+
+if __name__ == "__main__":
+    main()

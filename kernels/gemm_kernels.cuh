@@ -1,0 +1,520 @@
+// The GEMM main loops shared by w4a8_gemm.cu and w8a8_gemm.cu: out[m, n] = sum_k x[m, k] W[n, k]
+// with INT8 activations, INT32 accumulation and the scales in the epilogue.
+//
+// Swap-AB: the WEIGHTS are the A operand of the INT8 tensor-core instructions (out^T = W x^T)
+// and the tokens are their N dimension. That is what lets the offline layout of
+// qoqtool/packing/layout.py feed the tensor cores straight from one 128-bit load per lane:
+// each lane's 16 bytes of a 32x32 tile are exactly its A fragments of mma.m16n8k32 for the
+// tile's two m16 blocks (and of wgmma, whose per-warp A fragment is the same).
+//
+// Two kernels, chosen by qoqtool/runtime/cuda_ops.py (`plan`, with the table and reasons):
+//
+//   stream_kernel (mma.sync, sm_80 and sm_90a) - decode-sized M. A memory-bound weight
+//     stream: each warp loads its lanes' 16-byte fragments global -> registers with
+//     L1-bypassing 128-bit loads, U k-tiles in flight at once; activations (small, shared by
+//     every row tile) come through L1 as the 32-bit B fragments; the warps of a CTA split K
+//     and reduce in shared memory; CTAs split K too when the grid would not fill the GPU.
+//
+//   wgmma_kernel (sm_90a only) - larger M. The copy engine (TMA) brings the activations
+//     (K-major, 128-byte swizzle applied by the copy), the packed weights and the group
+//     parameters into a multistage shared-memory ring, completing on mbarriers; each warp
+//     dequantizes its row tile's fragment into registers and the warpgroup issues
+//     wgmma.m64n128k32 with A from registers and B from shared memory. A warpgroup owns 4
+//     row tiles (128 rows): warp w holds row tile w, and the tile's two m16 blocks go to two
+//     wgmma instructions (block 0 of all four warps, then block 1), so every lane still reads
+//     its 16 bytes with one 128-bit load.
+//
+// Split-K across CTAs (both kernels): each split writes its INT32 partial sums to a
+// workspace; the last CTA of a tile to arrive (an atomic counter per tile) adds the others
+// and runs the epilogue, then resets its counter to zero, so one launch does it all and
+// the counters stay zero between launches (CUDA-graph friendly). INT32 addition is exact
+// and associative: the result does not depend on the split.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes via the runtime)
+#include <cudaTypedefs.h>
+
+#include "common.cuh"
+
+namespace qoq::gemm {
+
+enum class Kind : int {
+  kProgressive = 0,   // QoQ W4 per group: w8 = (q - z) * s1, level-0 scale per row
+  kUInt4Channel = 1,  // W4 per channel: raw codes q in the main loop, zero in the epilogue
+  kInt8Channel = 2,   // W8 per channel
+};
+
+struct Params {
+  const int8_t* x;          // [M, Kp] activation codes, row-major, zero past K
+  const __half* x_scale;    // [M] per-token scales
+  const int32_t* x_rowsum;  // [M] sum of each row's codes (kUInt4Channel)
+  const uint8_t* qweight;   // packed codes, [NT, KT, 32, 16] (W4) or [NT, KT, 32, 32] (W8)
+  const __half* scale;      // [NT*32] level-0 scale (kProgressive) or per-channel scale
+  const uint8_t* scale1;    // [NT, groups, 32] (kProgressive), layout.pack_group_params order
+  const uint8_t* zxs1;      // [NT, groups, 32] z * s1 (kProgressive)
+  const uint8_t* zero;      // [NT*32] zero points (kUInt4Channel)
+  void* out;                // [M, N] fp16, or the raw INT32 accumulators when out_i32
+  int32_t* workspace;       // [splits, M, NT*32] partial sums (splits > 1)
+  int32_t* counters;        // one per (x, y) CTA tile, zero on entry and on exit
+  int M, N, Kp, NT, KT;     // NT = Np / 32 row tiles, KT = Kp / 32 k-tiles
+  int groups, group_shift;  // progressive: Kp / G groups, G = 32 << group_shift
+  int groups_per_stage;     // progressive, wgmma: groups in one 128-wide pipeline stage
+  int splits, out_i32;
+};
+
+template <Kind K>
+constexpr int kLaneBytes = K == Kind::kInt8Channel ? 32 : 16;  // one lane's share of a tile
+
+// ---------------------------------------------------------------------------------------
+// Packed fragment -> mma A registers. a[b][r] is register r of m16 block b of the tile.
+// ---------------------------------------------------------------------------------------
+
+// Progressive (QoQ) dequantization of four k of one row, all in one 32-bit word: q4 holds
+// four codes q (one per byte), s1 the row's level-1 scale, c = 128 - z*s1 in every byte.
+// q*s1 <= 15*16 < 256, so ONE 32-bit multiply scales all four bytes without carries; the
+// true byte value (q - z)*s1 + 128 lies in [0, 255] (the quantizer keeps (q - z)*s1 in
+// [-128, 127] and z*s1 <= 128), so the multiply-add cannot carry either. Flipping each
+// byte's top bit then subtracts the 128: the bytes are the exact INT8 weights (q - z)*s1.
+// Two instructions for four weights (IMAD + LOP3), after the mask that extracts q4.
+__device__ __forceinline__ uint32_t progressive_quad(uint32_t q4, uint32_t s1, uint32_t c) {
+  return (q4 * s1 + c) ^ 0x80808080u;
+}
+
+// Word i of a W4 fragment holds row 8i + g: its low nibbles are k = 4t + j (registers a0 of
+// block i/2 for even i, a1 for odd i), its high nibbles k = 16 + 4t + j (a2 / a3).
+__device__ __forceinline__ void w4_progressive_to_a(const uint4& w, uint32_t s1_word, uint32_t zs1_word,
+                                                    uint32_t (&a)[2][4]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // Byte i of the parameter words belongs to row 8i + g (layout.pack_group_params).
+    const uint32_t s1 = __byte_perm(s1_word, 0, 0x4440 | i);           // byte i, zero-extended
+    const uint32_t c = 0x80808080u - __byte_perm(zs1_word, 0, 0x1111 * i);  // 128 - z*s1, x4
+    a[i >> 1][i & 1] = progressive_quad(words[i] & 0x0F0F0F0Fu, s1, c);
+    a[i >> 1][2 + (i & 1)] = progressive_quad((words[i] >> 4) & 0x0F0F0F0Fu, s1, c);
+  }
+}
+
+// Per-channel W4: the raw codes 0..15 are already valid s8 operands; the zero point is
+// applied once per output in the epilogue (acc - z * rowsum(x)).
+__device__ __forceinline__ void w4_codes_to_a(const uint4& w, uint32_t (&a)[2][4]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    a[i >> 1][i & 1] = words[i] & 0x0F0F0F0Fu;
+    a[i >> 1][2 + (i & 1)] = (words[i] >> 4) & 0x0F0F0F0Fu;
+  }
+}
+
+// W8: word 2i + h holds row 8i + g at k = 16h + 4t + j, so block b is words 4b, 4b+2, 4b+1, 4b+3.
+__device__ __forceinline__ void w8_to_a(const uint4& lo, const uint4& hi, uint32_t (&a)[2][4]) {
+  a[0][0] = lo.x; a[0][1] = lo.z; a[0][2] = lo.y; a[0][3] = lo.w;
+  a[1][0] = hi.x; a[1][1] = hi.z; a[1][2] = hi.y; a[1][3] = hi.w;
+}
+
+// One lane's raw fragment of one tile, plus its group parameters (progressive).
+template <Kind K>
+struct Fragment {
+  uint4 w[kLaneBytes<K> / 16];
+  uint32_t s1, zs1;
+
+  __device__ __forceinline__ void to_a(uint32_t (&a)[2][4]) const {
+    if constexpr (K == Kind::kProgressive) w4_progressive_to_a(w[0], s1, zs1, a);
+    if constexpr (K == Kind::kUInt4Channel) w4_codes_to_a(w[0], a);
+    if constexpr (K == Kind::kInt8Channel) w8_to_a(w[0], w[kLaneBytes<K> / 16 - 1], a);
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Epilogue and split-K
+// ---------------------------------------------------------------------------------------
+
+// Items [split_begin(n, z), split_begin(n, z + 1)) of n belong to split z (k-tiles in the
+// stream kernel, 4-k-tile pipeline stages in the wgmma kernel).
+__device__ __forceinline__ int split_begin(int n, int z, int splits) {
+  return static_cast<int>(static_cast<int64_t>(n) * z / splits);
+}
+
+// The final value of out[m, n] from its INT32 accumulator, in the reference path's order
+// of float operations (qoqtool.quantizers.formats.*.linear_int8).
+template <Kind K>
+__device__ __forceinline__ void store_result(const Params& p, int m, int n, int acc) {
+  if (m >= p.M || n >= p.N) return;
+  if constexpr (K == Kind::kUInt4Channel) acc -= static_cast<int>(p.zero[n]) * p.x_rowsum[m];
+  const size_t at = static_cast<size_t>(m) * p.N + n;
+  if (p.out_i32) {
+    static_cast<int32_t*>(p.out)[at] = acc;
+    return;
+  }
+  const float sx = __half2float(p.x_scale[m]), sw = __half2float(p.scale[n]);
+  // UInt4Weight.linear_int8 scales by the weight first, the others by the token first.
+  const float y = K == Kind::kUInt4Channel ? (static_cast<float>(acc) * sw) * sx : (static_cast<float>(acc) * sx) * sw;
+  static_cast<__half*>(p.out)[at] = __float2half_rn(y);
+}
+
+// Split-K across CTAs. `visit(f)` calls f(m, n, int& acc) for every accumulator this thread
+// holds (threads holding none call nothing). Every thread of the CTA must call this.
+// Returns true in the CTA that must run the epilogue: the only one when splits == 1,
+// otherwise the last split to arrive, with the other splits' partials added to its own.
+template <class Visit>
+__device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
+  if (p.splits == 1) return true;
+  __shared__ int last_split;
+  const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;
+  int32_t* mine = p.workspace + blockIdx.z * slice;
+  visit([&](int m, int n, int& acc) {
+    if (m < p.M) mine[m * ld + n] = acc;
+  });
+  __threadfence();  // our partials are visible device-wide before we are counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter = p.counters + blockIdx.y * gridDim.x + blockIdx.x;
+    last_split = atomicAdd(counter, 1) == p.splits - 1;
+    if (last_split) *counter = 0;  // every split has arrived: reset for the next launch
+  }
+  __syncthreads();
+  if (!last_split) return false;
+  __threadfence();
+#pragma unroll 1
+  for (int z = 0; z < p.splits; ++z) {
+    if (z == static_cast<int>(blockIdx.z)) continue;
+    const int32_t* theirs = p.workspace + z * slice;
+    visit([&](int m, int n, int& acc) {
+      if (m < p.M) acc += __ldcg(theirs + m * ld + n);  // through L2: L1 is not coherent
+    });
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// stream_kernel: mma.sync, for small M
+// ---------------------------------------------------------------------------------------
+//
+// CTA = RT row tiles x WK warps splitting K (one warp per (row tile, k slice)), 8*NB tokens.
+// Grid = (NT / RT, M / (8 NB), splits). Each warp walks its k-tiles in chunks of U
+// consecutive tiles (U*512 contiguous bytes of W4 per warp) and issues the loads of all U
+// before the first mma, so U 128-bit loads per lane are in flight.
+
+template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS>
+__global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const Params p) {
+  static_assert((WK & (WK - 1)) == 0, "the k-slice reduction is a tree");
+  constexpr int kBytes = kLaneBytes<K>;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  const int rt = warp / WK, wk = warp % WK;
+  const int nt = blockIdx.x * RT + rt;
+  const int m0 = blockIdx.y * 8 * NB;
+  const int kt_begin = split_begin(p.KT, blockIdx.z, p.splits), kt_end = split_begin(p.KT, blockIdx.z + 1, p.splits);
+
+  int acc[2][NB][4] = {};
+  if (nt < p.NT) {
+    // B fragment rows: token m0 + 8nb + g. Rows past M re-read row M - 1 (never stored).
+    const int8_t* xrow[NB];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) xrow[nb] = p.x + static_cast<size_t>(min(m0 + 8 * nb + g, p.M - 1)) * p.Kp + 4 * t;
+    const uint8_t* wrow = p.qweight + static_cast<size_t>(nt) * p.KT * 32 * kBytes + lane * kBytes;
+    const size_t params_row = (static_cast<size_t>(nt) * p.groups) * 32 + 4 * g;  // progressive only
+
+    for (int kt0 = kt_begin + wk * U; kt0 < kt_end; kt0 += WK * U) {
+      Fragment<K> f[U];
+      uint32_t b[U][NB][2];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int kt = min(kt0 + u, kt_end - 1);  // the tail re-loads a valid tile; its mma is skipped
+#pragma unroll
+        for (int h = 0; h < kBytes / 16; ++h) f[u].w[h] = ldg_stream_v4(wrow + static_cast<size_t>(kt) * 32 * kBytes + 16 * h);
+        if constexpr (K == Kind::kProgressive) {
+          const int grp = kt >> p.group_shift;
+          f[u].s1 = ldg_u32(p.scale1 + params_row + grp * 32);
+          f[u].zs1 = ldg_u32(p.zxs1 + params_row + grp * 32);
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          b[u][nb][0] = ldg_u32(xrow[nb] + kt * 32);       // k = 4t .. 4t+3
+          b[u][nb][1] = ldg_u32(xrow[nb] + kt * 32 + 16);  // k = 16+4t ..
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (kt0 + u < kt_end) {
+          uint32_t a[2][4];
+          f[u].to_a(a);
+#pragma unroll
+          for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mma_s8_16832(acc[blk][nb], a[blk], b[u][nb][0], b[u][nb][1]);
+        }
+      }
+    }
+  }
+
+  // Reduce the WK k-slices of each row tile: a tree through shared memory, laid out
+  // [row tile][slot][register][lane] so that every access is one conflict-free word per lane.
+  if constexpr (WK > 1) {
+    constexpr int kRegs = 2 * NB * 4;
+    __shared__ int red[RT * (WK / 2) * kRegs * kWarp];
+#pragma unroll
+    for (int s = WK / 2; s >= 1; s /= 2) {
+      if (wk >= s && wk < 2 * s) {
+#pragma unroll
+        for (int r = 0; r < kRegs; ++r)
+          red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = acc[r / (4 * NB)][(r / 4) % NB][r % 4];
+      }
+      __syncthreads();
+      if (wk < s) {
+#pragma unroll
+        for (int r = 0; r < kRegs; ++r)
+          acc[r / (4 * NB)][(r / 4) % NB][r % 4] += red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane];
+      }
+      __syncthreads();
+    }
+  }
+
+  const bool holds = wk == 0 && nt < p.NT;  // the k-slice-0 warp of each row tile holds the sums
+  auto visit = [&](auto&& f) {
+    if (!holds) return;
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          f(m0 + 8 * nb + 2 * t + (r & 1), nt * 32 + 16 * blk + g + 8 * (r >> 1), acc[blk][nb][r]);
+  };
+  if (reduce_splits(p, visit)) visit([&](int m, int n, int& v) { store_result<K>(p, m, n, v); });
+}
+
+// ---------------------------------------------------------------------------------------
+// wgmma_kernel: Hopper warpgroup MMA fed by TMA, for large M (sm_90a)
+// ---------------------------------------------------------------------------------------
+//
+// CTA = WGS warpgroups x 128 rows (4 row tiles each) x 128 tokens; grid = (NT / (4 WGS),
+// M / 128, splits). One pipeline stage = 4 k-tiles = 128 bytes of K: exactly one row of the
+// 128-byte swizzle, so a stage's activations are one TMA box of 128 tokens x 128 bytes,
+// swizzled by the copy engine as wgmma wants them. Per stage, shared memory holds
+//   [activations 128 x 128 B, swizzled][weights: row tile x k-tile x lane x 16 B, the packed
+//    order][progressive: scale1 box, z*s1 box: row tile x group x 32 B]
+// all brought by TMA (rows and k-tiles past the end arrive as zeros). Thread 0 issues the
+// copies S-2 stages ahead and they complete on the stage's `full` mbarrier; each warp
+// arrives on the stage's `empty` mbarrier once its wgmmas of that stage are done, which
+// lets thread 0 reuse the slot. Warpgroups never wait for each other otherwise.
+
+struct TmaMaps {
+  CUtensorMap x, w, s1, zs1;  // s1/zs1 only for progressive weights
+};
+
+template <Kind K, int WGS>
+struct WgmmaShape {
+  static constexpr int kBN = 128;      // tokens per CTA
+  static constexpr int kRT = 4 * WGS;  // row tiles per CTA
+  static constexpr int kKT = 4;        // k-tiles per stage
+  static constexpr int kXBytes = kBN * 128;
+  static constexpr int kWBytes = kRT * kKT * 32 * kLaneBytes<K>;
+  static constexpr int kPBytes = K == Kind::kProgressive ? 2 * kRT * 4 * 32 : 0;  // up to 4 groups a stage
+  static constexpr int kStage = (kXBytes + kWBytes + kPBytes + 1023) / 1024 * 1024;
+  static constexpr int kStages = (200 * 1024 / kStage) < 6 ? (200 * 1024 / kStage) : 6;
+  static constexpr int kSmem = kStages * kStage + 1024;  // + 1024: the base is rounded up to 1024
+  static constexpr int kThreads = WGS * 128;
+  static_assert(kStages >= 3, "the pipeline needs three stages");
+};
+
+template <Kind K, int WGS>
+__global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
+#if QOQ_HAS_WGMMA
+  using S = WgmmaShape<K, WGS>;
+  constexpr int kBytes = kLaneBytes<K>;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * S::kStages];  // full[0, S), empty[S, 2S)
+  const uint32_t smem = (smem_u32(smem_raw) + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
+  const uint32_t full = smem_u32(&bars[0]), empty = smem_u32(&bars[S::kStages]);
+
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
+  const int nt0 = blockIdx.x * S::kRT, m0 = blockIdx.y * S::kBN;
+  // Splits are whole stages, so a stage always starts at a multiple of 4 k-tiles and never
+  // straddles a group (groups are 32 * 2^j wide).
+  const int stages = ceil_div(p.KT, S::kKT);
+  const int st_begin = split_begin(stages, blockIdx.z, p.splits), n_stages = split_begin(stages, blockIdx.z + 1, p.splits) - st_begin;
+  const int kt_begin = st_begin * S::kKT;
+  const int gps = p.groups_per_stage;
+  const uint32_t param_box = S::kRT * gps * 32;  // bytes of one parameter box
+  const uint32_t tx_bytes = S::kXBytes + S::kWBytes + (K == Kind::kProgressive ? 2 * param_box : 0);
+
+  if (tid == 0) {
+    for (int i = 0; i < S::kStages; ++i) {
+      mbar_init(full + 8 * i, 1);                 // thread 0's arrive.expect_tx
+      mbar_init(empty + 8 * i, S::kThreads / kWarp);  // one arrival per warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  auto issue = [&](int s) {  // thread 0: all copies of stage s
+    const int slot = s % S::kStages, kt0 = kt_begin + s * S::kKT;
+    const uint32_t base = smem + slot * S::kStage, bar = full + 8 * slot;
+    mbar_arrive_expect_tx(bar, tx_bytes);
+    tma_load_2d(base, &maps.x, kt0 * 32, m0, bar);
+    tma_load_3d(base + S::kXBytes, &maps.w, 0, kt0, nt0, bar);
+    if constexpr (K == Kind::kProgressive) {
+      const int grp0 = kt0 >> p.group_shift;
+      tma_load_3d(base + S::kXBytes + S::kWBytes, &maps.s1, 0, grp0, nt0, bar);
+      tma_load_3d(base + S::kXBytes + S::kWBytes + param_box, &maps.zs1, 0, grp0, nt0, bar);
+    }
+  };
+
+  int acc[2][64];  // [m16 block of the row tile][wgmma fragment]
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[b][i] = 0;
+
+  if (tid == 0)
+    for (int s = 0; s < S::kStages - 2 && s < n_stages; ++s) issue(s);
+  const int rt = warp;  // this warp's row tile in the CTA (warp w of warpgroup q: 4q + w)
+  for (int s = 0; s < n_stages; ++s) {
+    const int ahead = s + S::kStages - 2;  // refill the slot of stage s-2, released in iteration s-1
+    if (tid == 0 && ahead < n_stages) {
+      if (ahead >= S::kStages) mbar_wait(empty + 8 * (ahead % S::kStages), (ahead / S::kStages - 1) & 1);
+      issue(ahead);
+    }
+    mbar_wait(full + 8 * (s % S::kStages), (s / S::kStages) & 1);
+    __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
+
+    const uint32_t base = smem + (s % S::kStages) * S::kStage;
+    const int kt0 = kt_begin + s * S::kKT, kts = min(S::kKT, p.KT - kt0);
+#pragma unroll
+    for (int kk = 0; kk < S::kKT; ++kk) {
+      if (kk < kts) {
+        Fragment<K> f;
+        const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
+#pragma unroll
+        for (int h = 0; h < kBytes / 16; ++h) f.w[h] = lds_v4(wtile + 16 * h);
+        if constexpr (K == Kind::kProgressive) {
+          const int local_group = ((kt0 + kk) >> p.group_shift) - (kt0 >> p.group_shift);
+          const uint32_t params = base + S::kXBytes + S::kWBytes + (rt * gps + local_group) * 32 + 4 * g;
+          f.s1 = lds_u32(params);
+          f.zs1 = lds_u32(params + param_box);
+        }
+        uint32_t a[2][4];
+        f.to_a(a);
+        wgmma_fence();  // a[] was written by ordinary instructions
+        const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
+        wgmma_m64n128k32_rs(acc[0], a[0], desc);
+        wgmma_m64n128k32_rs(acc[1], a[1], desc);
+        wgmma_commit();
+      }
+    }
+    wgmma_wait<4>();  // at most this stage's 4 groups still run: stage s-1 is finished
+    if (s >= 1 && lane == 0) mbar_arrive(empty + 8 * ((s - 1) % S::kStages));
+  }
+  wgmma_wait<0>();
+
+  // d[i] of m16 block b: row tile rt, row 16b + g + 8*((i>>1)&1); token 8*(i>>2) + 2t + (i&1).
+  const int nt = nt0 + rt;
+  auto visit = [&](auto&& f) {
+    if (nt >= p.NT) return;
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int i = 0; i < 64; ++i)
+        f(m0 + 8 * (i >> 2) + 2 * t + (i & 1), nt * 32 + 16 * b + g + 8 * ((i >> 1) & 1), acc[b][i]);
+  };
+  if (reduce_splits(p, visit)) visit([&](int m, int n, int& v) { store_result<K>(p, m, n, v); });
+#endif  // QOQ_HAS_WGMMA
+}
+
+// ---------------------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------------------
+
+enum class KernelId : int { kStream = 0, kWgmma = 1 };
+
+// Stream-kernel shapes by tokens per CTA (8*NB): RT row tiles x WK k-slices = 8 warps;
+// U k-tiles in flight per warp, fewer when the accumulators grow.
+template <Kind K, int NB>
+cudaError_t launch_stream(const Params& p, cudaStream_t stream) {
+  constexpr int RT = 2, WK = 4, U = NB <= 2 ? 8 : (NB == 4 ? 4 : 2), MIN_BLOCKS = NB <= 4 ? 2 : 1;
+  const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);
+  stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS><<<grid, RT * WK * kWarp, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// cuTensorMapEncodeTiled from the driver, found through the runtime (no -lcuda needed).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t status = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    return status == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
+  }();
+  return encode;
+}
+
+// A tiled TMA map of a rank-R tensor: dims and box innermost first, strides in bytes of dims 1..R-1.
+template <int R>
+cudaError_t encode_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, const cuuint64_t (&dims)[R],
+                       const cuuint64_t (&strides)[R - 1], const cuuint32_t (&box)[R], CUtensorMapSwizzle swizzle) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  cuuint32_t unit[R];
+  for (int i = 0; i < R; ++i) unit[i] = 1;
+  const CUresult status = encode(map, type, R, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <Kind K, int WGS>
+cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
+  using S = WgmmaShape<K, WGS>;
+  int device = 0, major = 0;
+  QOQ_RETURN_IF_ERROR(cudaGetDevice(&device));
+  QOQ_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major != 9) return cudaErrorInvalidDeviceFunction;  // wgmma exists only in the sm_90a image
+  Params p = p_in;
+  if (p.splits > ceil_div(p.KT, S::kKT)) return cudaErrorInvalidValue;  // splits are whole stages
+  TmaMaps maps{};
+  const cuuint64_t M = p.M, Kp = p.Kp, KT = p.KT, NT = p.NT, words = 8 * kLaneBytes<K>;  // u32 words per tile
+  // Activations [M, Kp] bytes: boxes of 128 tokens x 128 bytes, swizzled for wgmma.
+  QOQ_RETURN_IF_ERROR(encode_map<2>(&maps.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.x, {Kp, M}, {Kp}, {128, S::kBN},
+                                    CU_TENSOR_MAP_SWIZZLE_128B));
+  // Packed weights [NT, KT, tile words]: boxes of 4 k-tiles x 4*WGS row tiles, copied as stored.
+  QOQ_RETURN_IF_ERROR(encode_map<3>(&maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.qweight, {words, KT, NT},
+                                    {4 * words, 4 * words * KT}, {static_cast<cuuint32_t>(words), S::kKT, S::kRT},
+                                    CU_TENSOR_MAP_SWIZZLE_NONE));
+  if constexpr (K == Kind::kProgressive) {
+    // Group parameters [NT, groups, 32 bytes]: the groups of one stage x 4*WGS row tiles.
+    p.groups_per_stage = p.group_shift >= 2 ? 1 : 4 >> p.group_shift;
+    const cuuint64_t G = p.groups;
+    const cuuint32_t box[3] = {8, static_cast<cuuint32_t>(p.groups_per_stage), S::kRT};
+    QOQ_RETURN_IF_ERROR(encode_map<3>(&maps.s1, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.scale1, {8, G, NT}, {32, 32 * G}, box,
+                                      CU_TENSOR_MAP_SWIZZLE_NONE));
+    QOQ_RETURN_IF_ERROR(encode_map<3>(&maps.zs1, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.zxs1, {8, G, NT}, {32, 32 * G}, box,
+                                      CU_TENSOR_MAP_SWIZZLE_NONE));
+  }
+  QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(wgmma_kernel<K, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem));
+  const dim3 grid(ceil_div(p.NT, S::kRT), ceil_div(p.M, S::kBN), p.splits);
+  wgmma_kernel<K, WGS><<<grid, S::kThreads, S::kSmem, stream>>>(p, maps);
+  return cudaGetLastError();
+}
+
+// kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),
+// or wgmma with WGS = tile (1, 2).
+template <Kind K>
+cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
+  if (p.M <= 0) return cudaSuccess;
+  if (p.splits < 1 || p.splits > p.KT) return cudaErrorInvalidValue;
+  if (kernel == static_cast<int>(KernelId::kStream)) {
+    switch (tile) {
+      case 1: return launch_stream<K, 1>(p, stream);
+      case 2: return launch_stream<K, 2>(p, stream);
+      case 4: return launch_stream<K, 4>(p, stream);
+      case 8: return launch_stream<K, 8>(p, stream);
+    }
+  } else if (kernel == static_cast<int>(KernelId::kWgmma)) {
+    switch (tile) {
+      case 1: return launch_wgmma<K, 1>(p, stream);
+      case 2: return launch_wgmma<K, 2>(p, stream);
+    }
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace qoq::gemm

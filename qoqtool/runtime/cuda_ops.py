@@ -1,0 +1,463 @@
+"""The CUDA GEMM and fused quantization kernels as torch custom ops, and the packed-linear
+forward pass that uses them.
+
+    qoqtool::w4a8_gemm_per_group    INT8 x [M, Kp] * progressive (QoQ) W4 -> fp16 [M, N]
+    qoqtool::w4a8_gemm_per_channel  INT8 x * per-channel UINT4 W4 (+ the row sums of x)
+    qoqtool::w8a8_gemm              INT8 x * per-channel INT8 W8
+    qoqtool::quantize_per_token     fp16 x [M, K] -> (x_q [M, Kp] int8, x_scale [M] fp16, x_rowsum [M] int32)
+    qoqtool::rmsnorm_quantize       RMSNorm(x) * weight, then the same
+    qoqtool::silu_mul_quantize      silu(gate) * up, then the same
+
+The kernels (kernels/*.cu) have a plain C ABI and are called through ctypes on the current
+stream, so the ops work under CUDA-graph capture. Every op checks dtypes, shapes, devices,
+contiguity and alignment here and raises ValueError before anything is launched: bad
+input never reaches a kernel. Importing this module needs neither a GPU nor nvcc; the
+library is built (or found in its cache) at the first call.
+
+Operand layouts are those of qoqtool.packing.layout (weights, group parameters) and
+qoqtool.quantizers.activations (per-token INT8 activations); the kernels' exact semantics
+are documented in kernels/w4a8_gemm.cu, kernels/w8a8_gemm.cu and kernels/fused_ops.cu.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qoqtool.runtime import kernel_library as kl
+
+# -- the library's entry points -------------------------------------------------------------
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    # kernel, tile, splits, x, x_scale, qweight, scale0, scale1, zxs1, out, out_i32, M, N, Kp, group_shift, ws, counters, stream
+    "qoq_w4a8_gemm_per_group": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P],
+    # kernel, tile, splits, x, x_scale, x_rowsum, qweight, scale, zero, out, out_i32, M, N, Kp, ws, counters, stream
+    "qoq_w4a8_gemm_per_channel": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
+    # kernel, tile, splits, x, x_scale, qweight, scale, out, out_i32, M, N, Kp, ws, counters, stream
+    "qoq_w8a8_gemm": [_I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
+    # x, M, K, Kp, x_q, x_scale, x_rowsum, stream
+    "qoq_quantize_per_token": [_P, _I, _I, _I, _P, _P, _P, _P],
+    # x, weight, eps, M, K, Kp, x_q, x_scale, x_rowsum, stream
+    "qoq_rmsnorm_quantize": [_P, _P, _F, _I, _I, _I, _P, _P, _P, _P],
+    # gate, up, M, K, Kp, x_q, x_scale, x_rowsum, stream
+    "qoq_silu_mul_quantize": [_P, _P, _I, _I, _I, _P, _P, _P, _P],
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL:
+    lib = kl.library()
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def _call(name: str, *args) -> None:
+    kl.check(getattr(_lib(), name)(*args), name)
+
+
+# -- tile configuration by M ------------------------------------------------------------------
+STREAM, WGMMA = 0, 1  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
+
+# The stream kernel's shape (mirrors launch_stream in gemm_kernels.cuh): 2 row tiles x 4
+# k-slice warps per CTA; U k-tiles in flight per warp, by tokens-per-CTA/8 (NB); how many
+# CTAs fit on one multiprocessor (its __launch_bounds__ minimum).
+_STREAM_ROW_TILES, _STREAM_WARPS_K = 2, 4
+_STREAM_CHUNK = {1: 8, 2: 8, 4: 4, 8: 2}
+_STREAM_CTAS_PER_SM = {1: 2, 2: 2, 4: 2, 8: 1}
+_WGMMA_TOKENS, _WGMMA_ROW_TILES_PER_WG = 128, 4
+_WGMMA_MIN_M = 33  # measured on the H200 (benchmarks/notes-gemm.md): wgmma wins from M = 64, stream at M = 32
+_WGMMA_TWO_WG_GAIN = 1.1  # two warpgroups sharing one activation tile: ~11% more MAC/s per CTA (measured)
+_SPLIT_COST = 0.1  # relative cost of each extra K split (partials through the workspace)
+MAX_SPLITS = 8
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which kernel runs a GEMM: `tile` is NB (stream: 8*NB tokens per CTA) or WGS (wgmma:
+    warpgroups of 128 rows per CTA); `splits` > 1 splits K across CTAs (one launch)."""
+
+    kernel: int
+    tile: int
+    splits: int
+
+    def grid_tiles(self, m: int, n_tiles: int) -> int:
+        """CTA tiles in the (x, y) plane of the grid: the split-K counters needed."""
+        if self.kernel == STREAM:
+            return math.ceil(n_tiles / _STREAM_ROW_TILES) * math.ceil(m / (8 * self.tile))
+        return math.ceil(n_tiles / (_WGMMA_ROW_TILES_PER_WG * self.tile)) * math.ceil(m / _WGMMA_TOKENS)
+
+
+def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool) -> Plan:
+    """The tile configuration for an [m, 32*k_tiles] x [32*n_tiles, 32*k_tiles]^T GEMM.
+
+    M <= 32 (or no Hopper): the stream kernel. The GEMM is a weight stream bounded by memory
+    bandwidth; tokens per CTA grow with M (8, 16, 32, 64: NB = 1, 2, 4, 8) so that each weight
+    byte is read once, and K is split across CTAs until about two CTAs per multiprocessor
+    run (enough 128-bit loads in flight), but never so far that a warp of a split gets less
+    than one full chunk of k-tiles.
+      M <= 8: NB 1 | <= 16: NB 2 | <= 32: NB 4 | larger (no Hopper): NB 8, ceil(M / 64) token tiles
+    M > 32 on Hopper: the wgmma kernel, 128 tokens per CTA, one CTA per multiprocessor. Two
+    warpgroups (256 rows) per CTA, unsplit, whenever that grid fills the GPU: two warpgroups
+    do twice the rows of one in ~1.2x the time (measured). Smaller grids: among 1 or 2
+    warpgroups and 1..8 K splits (at least 4 pipeline stages each), the least modelled time,
+    waves of CTAs x work per CTA with two warpgroups ~10% more efficient and each extra split
+    ~10% dearer; this reproduces the ranking of every configuration measured on 8192 x 8192
+    for M = 32..512 (notes-gemm.md).
+    """
+    if m < _WGMMA_MIN_M or not hopper:
+        nb = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+        p = Plan(STREAM, nb, 1)
+        target = _STREAM_CTAS_PER_SM[nb] * sms
+        full_chunks = max(1, k_tiles // (_STREAM_WARPS_K * _STREAM_CHUNK[nb]))
+        splits = round(target / p.grid_tiles(m, n_tiles))
+        return Plan(STREAM, nb, max(1, min(splits, full_chunks, MAX_SPLITS)))
+    if Plan(WGMMA, 2, 1).grid_tiles(m, n_tiles) >= sms:
+        return Plan(WGMMA, 2, 1)
+    best, best_cost = None, math.inf
+    for wgs in (2, 1):
+        tiles = Plan(WGMMA, wgs, 1).grid_tiles(m, n_tiles)
+        max_splits = max(1, min(MAX_SPLITS, k_tiles // 16)) if tiles < sms else 1  # split only a grid under one wave
+        for splits in range(1, max_splits + 1):
+            waves = math.ceil(tiles * splits / sms)
+            cost = waves * wgs * math.ceil(k_tiles / splits) * (1 + _SPLIT_COST * (splits - 1))
+            cost /= _WGMMA_TWO_WG_GAIN if wgs == 2 else 1.0
+            if cost < best_cost:
+                best, best_cost = Plan(WGMMA, wgs, splits), cost
+    return best
+
+
+PLAN_OVERRIDE: Plan | None = None  # benchmarks/gemm.py times a chosen kernel with this
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int) -> tuple[int, bool]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major == 9
+
+
+# Split-K counters: one int32 per CTA tile, zero between launches (the last CTA of each
+# tile resets its own). One buffer per device, shared by every GEMM: kernels on one
+# stream never overlap; GEMMs running concurrently on several streams are not supported.
+_COUNTERS: dict[int, Tensor] = {}
+
+
+def _counters(device: torch.device, needed: int) -> Tensor:
+    buf = _COUNTERS.get(device.index)
+    if buf is None or buf.numel() < needed:
+        buf = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device.index] = buf
+    return buf
+
+
+# -- validation (before any launch) -----------------------------------------------------------
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _expect(name: str, t, dtype: torch.dtype, shape: tuple) -> None:
+    """t must be a contiguous `dtype` tensor of `shape` (None entries match any size)."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {_dtype_name(dtype)}, got {_dtype_name(t.dtype)}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name} must have shape [{want}], got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+# Operands the kernels read with 16-byte vector loads or cp.async: their base must be aligned.
+_VECTOR_READ = {"x", "x_q", "gate", "up", "weight", "qweight", "scale1", "zero_x_scale1"}
+
+
+def _expect_device(**tensors: Tensor) -> torch.device:
+    """All on one CUDA device; the vector-read ones 16-byte aligned."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"all operands must be on one device, got {', '.join(sorted(map(str, devices)))}")
+    device = devices.pop()
+    if device.type != "cuda":
+        raise ValueError(f"the kernels run on CUDA tensors, got {device} tensors")
+    for name, t in tensors.items():
+        if name in _VECTOR_READ and t.numel() and t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned (a fresh or .clone()d tensor is)")
+    return device
+
+
+def _check_activations(x_q: Tensor, x_scale: Tensor) -> tuple[int, int]:
+    _expect("x_q", x_q, torch.int8, (None, None))
+    m, kp = x_q.shape
+    if kp % 32 or kp == 0:
+        raise ValueError(f"x_q has {kp} columns; it must be K padded to a multiple of 32 (the packed k_padded)")
+    _expect("x_scale", x_scale, torch.float16, (m,))
+    return m, kp
+
+
+def _check_rows(out_features: int, n_tiles: int) -> None:
+    if not (n_tiles * 32 - 31 <= out_features <= n_tiles * 32):
+        raise ValueError(f"out_features {out_features} does not fit {n_tiles} packed row tiles of 32")
+
+
+def check_w4a8_per_group(x_q, x_scale, qweight, scale0, scale1, zero_x_scale1, out_features: int) -> int:
+    """Validate the per-group W4A8 operands; returns log2(group size / 32)."""
+    m, kp = _check_activations(x_q, x_scale)
+    _expect("qweight", qweight, torch.uint8, (None, kp // 32, 32, 16))
+    nt = qweight.shape[0]
+    _expect("scale0", scale0, torch.float16, (nt * 32,))
+    _expect("scale1", scale1, torch.uint8, (nt, None, 32))
+    groups = scale1.shape[1]
+    _expect("zero_x_scale1", zero_x_scale1, torch.uint8, (nt, groups, 32))
+    group_size = kp // groups if groups else 0
+    if groups == 0 or kp % groups or group_size % 32 or (group_size // 32) & (group_size // 32 - 1):
+        raise ValueError(f"{groups} groups over K = {kp}: the group size must be 32 * 2^j (32, 64, 128, ...)")
+    _check_rows(out_features, nt)
+    _expect_device(x_q=x_q, x_scale=x_scale, qweight=qweight, scale0=scale0, scale1=scale1, zero_x_scale1=zero_x_scale1)
+    return (group_size // 32).bit_length() - 1
+
+
+def check_w4a8_per_channel(x_q, x_scale, x_rowsum, qweight, scale, zero, out_features: int) -> None:
+    m, kp = _check_activations(x_q, x_scale)
+    _expect("x_rowsum", x_rowsum, torch.int32, (m,))
+    _expect("qweight", qweight, torch.uint8, (None, kp // 32, 32, 16))
+    nt = qweight.shape[0]
+    _expect("scale", scale, torch.float16, (nt * 32,))
+    _expect("zero", zero, torch.uint8, (nt * 32,))
+    _check_rows(out_features, nt)
+    _expect_device(x_q=x_q, x_scale=x_scale, x_rowsum=x_rowsum, qweight=qweight, scale=scale, zero=zero)
+
+
+def check_w8a8(x_q, x_scale, qweight, scale, out_features: int) -> None:
+    m, kp = _check_activations(x_q, x_scale)
+    _expect("qweight", qweight, torch.int8, (None, kp // 32, 32, 32))
+    nt = qweight.shape[0]
+    _expect("scale", scale, torch.float16, (nt * 32,))
+    _check_rows(out_features, nt)
+    _expect_device(x_q=x_q, x_scale=x_scale, qweight=qweight, scale=scale)
+
+
+MAX_QUANTIZE_K = 32768  # kernels/fused_ops.cu keeps a padded row in registers
+
+
+def check_quantize(x: Tensor, k_padded: int, name: str = "x") -> tuple[int, int]:
+    _expect(name, x, torch.float16, (None, None))
+    m, k = x.shape
+    if k == 0 or k_padded < k or k_padded % 32 or k_padded > MAX_QUANTIZE_K:
+        raise ValueError(f"k_padded {k_padded} must be a multiple of 32, at least K = {k} and at most {MAX_QUANTIZE_K}")
+    return m, k
+
+
+# -- GEMMs --------------------------------------------------------------------------------------
+_GEMMS = {  # kind -> (entry point, validation, operand names)
+    "per_group": ("qoq_w4a8_gemm_per_group", check_w4a8_per_group,
+                  ("x_q", "x_scale", "qweight", "scale0", "scale1", "zero_x_scale1")),
+    "per_channel": ("qoq_w4a8_gemm_per_channel", check_w4a8_per_channel,
+                    ("x_q", "x_scale", "x_rowsum", "qweight", "scale", "zero")),
+    "w8a8": ("qoq_w8a8_gemm", check_w8a8, ("x_q", "x_scale", "qweight", "scale")),
+}
+
+
+def run_gemm(kind: str, *operands: Tensor, out_features: int, out: Tensor | None = None,
+             out_i32: bool = False) -> Tensor:
+    """Validate, plan, launch one GEMM kernel; the custom ops below call this.
+
+    kind: "per_group" | "per_channel" | "w8a8", operands in the order of that op. `out`
+    (optional, [M, out_features] contiguous fp16, or int32 with out_i32) receives the result:
+    tests poison it first. out_i32 writes the raw INT32 accumulations instead of scaled fp16
+    (after the zero-point term for per-channel W4), for bit-exact comparisons.
+    """
+    entry, check, names = _GEMMS[kind]
+    tail = check(*operands, out_features)
+    tail = () if tail is None else (tail,)  # the per-group check returns the group shift
+    x_q, n_tiles = operands[0], operands[names.index("qweight")].shape[0]
+    m, kp = x_q.shape
+    dtype = torch.int32 if out_i32 else torch.float16
+    if out is None:
+        out = torch.empty((m, out_features), dtype=dtype, device=x_q.device)
+    else:
+        _expect("out", out, dtype, (m, out_features))
+        _expect_device(x_q=x_q, out=out)
+    if m == 0:
+        return out
+    sms, hopper = _device_info(x_q.device.index)
+    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper)
+    ws = cnt = ctypes.c_void_p(0)
+    if p.splits > 1:
+        workspace = torch.empty(p.splits * m * n_tiles * 32, dtype=torch.int32, device=x_q.device)
+        ws, cnt = kl.ptr(workspace), kl.ptr(_counters(x_q.device, p.grid_tiles(m, n_tiles)))
+    _call(entry, p.kernel, p.tile, p.splits, *map(kl.ptr, operands), kl.ptr(out), int(out_i32), m, out_features,
+          kp, *tail, ws, cnt, kl.stream_of(x_q))
+    return out
+
+
+def _gemm_fake(x_q: Tensor, out_features: int) -> Tensor:
+    return x_q.new_empty((x_q.shape[0], out_features), dtype=torch.float16)
+
+
+@torch.library.custom_op("qoqtool::w4a8_gemm_per_group", mutates_args=())
+def w4a8_gemm_per_group(x_q: Tensor, x_scale: Tensor, qweight: Tensor, scale0: Tensor, scale1: Tensor,
+                        zero_x_scale1: Tensor, out_features: int) -> Tensor:
+    """out[m, n] = fp16(sum_k x_q[m, k] * (q - z)*s1 [n, k] * x_scale[m] * scale0[n])."""
+    return run_gemm("per_group", x_q, x_scale, qweight, scale0, scale1, zero_x_scale1, out_features=out_features)
+
+
+@w4a8_gemm_per_group.register_fake
+def _(x_q, x_scale, qweight, scale0, scale1, zero_x_scale1, out_features):
+    return _gemm_fake(x_q, out_features)
+
+
+@torch.library.custom_op("qoqtool::w4a8_gemm_per_channel", mutates_args=())
+def w4a8_gemm_per_channel(x_q: Tensor, x_scale: Tensor, x_rowsum: Tensor, qweight: Tensor, scale: Tensor,
+                          zero: Tensor, out_features: int) -> Tensor:
+    """out[m, n] = fp16((sum_k x_q[m, k] q[n, k] - zero[n] * x_rowsum[m]) * scale[n] * x_scale[m])."""
+    return run_gemm("per_channel", x_q, x_scale, x_rowsum, qweight, scale, zero, out_features=out_features)
+
+
+@w4a8_gemm_per_channel.register_fake
+def _(x_q, x_scale, x_rowsum, qweight, scale, zero, out_features):
+    return _gemm_fake(x_q, out_features)
+
+
+@torch.library.custom_op("qoqtool::w8a8_gemm", mutates_args=())
+def w8a8_gemm(x_q: Tensor, x_scale: Tensor, qweight: Tensor, scale: Tensor, out_features: int) -> Tensor:
+    """out[m, n] = fp16(sum_k x_q[m, k] w[n, k] * x_scale[m] * scale[n])."""
+    return run_gemm("w8a8", x_q, x_scale, qweight, scale, out_features=out_features)
+
+
+@w8a8_gemm.register_fake
+def _(x_q, x_scale, qweight, scale, out_features):
+    return _gemm_fake(x_q, out_features)
+
+
+# -- fused quantization ---------------------------------------------------------------------------
+def _quantize_outputs(m: int, k_padded: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    return (torch.empty((m, k_padded), dtype=torch.int8, device=device),
+            torch.empty(m, dtype=torch.float16, device=device),
+            torch.empty(m, dtype=torch.int32, device=device))
+
+
+def _quantize_fake(x: Tensor, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
+    m = x.shape[0]
+    return (x.new_empty((m, k_padded), dtype=torch.int8), x.new_empty(m, dtype=torch.float16),
+            x.new_empty(m, dtype=torch.int32))
+
+
+@torch.library.custom_op("qoqtool::quantize_per_token", mutates_args=())
+def quantize_per_token(x: Tensor, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
+    """fp16 x [M, K] -> (codes [M, k_padded] int8, zero past K; scales [M] fp16; code sums [M] int32)."""
+    m, k = check_quantize(x, k_padded)
+    _expect_device(x=x)
+    outs = _quantize_outputs(m, k_padded, x.device)
+    if m:
+        _call("qoq_quantize_per_token", kl.ptr(x), m, k, k_padded, *map(kl.ptr, outs), kl.stream_of(x))
+    return outs
+
+
+@quantize_per_token.register_fake
+def _(x, k_padded):
+    return _quantize_fake(x, k_padded)
+
+
+@torch.library.custom_op("qoqtool::rmsnorm_quantize", mutates_args=())
+def rmsnorm_quantize(x: Tensor, weight: Tensor, eps: float, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
+    """quantize_per_token(fp16(fp16(x * rsqrt(mean(x^2) + eps)) * weight)), the norm in fp32."""
+    m, k = check_quantize(x, k_padded)
+    _expect("weight", weight, torch.float16, (k,))
+    _expect_device(x=x, weight=weight)
+    outs = _quantize_outputs(m, k_padded, x.device)
+    if m:
+        _call("qoq_rmsnorm_quantize", kl.ptr(x), kl.ptr(weight), float(eps), m, k, k_padded, *map(kl.ptr, outs),
+              kl.stream_of(x))
+    return outs
+
+
+@rmsnorm_quantize.register_fake
+def _(x, weight, eps, k_padded):
+    return _quantize_fake(x, k_padded)
+
+
+@torch.library.custom_op("qoqtool::silu_mul_quantize", mutates_args=())
+def silu_mul_quantize(gate: Tensor, up: Tensor, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
+    """quantize_per_token(fp16(silu(gate) * up)), the product in fp32."""
+    m, k = check_quantize(gate, k_padded, "gate")
+    _expect("up", up, torch.float16, (m, k))
+    _expect_device(gate=gate, up=up)
+    outs = _quantize_outputs(m, k_padded, gate.device)
+    if m:
+        _call("qoq_silu_mul_quantize", kl.ptr(gate), kl.ptr(up), m, k, k_padded, *map(kl.ptr, outs),
+              kl.stream_of(gate))
+    return outs
+
+
+@silu_mul_quantize.register_fake
+def _(gate, up, k_padded):
+    return _quantize_fake(gate, k_padded)
+
+
+# -- the packed linear's forward pass ---------------------------------------------------------------
+# q/k/v (and gate/up) read the same input tensor: quantizing it once for all of them saves
+# two kernel launches per layer. The last input is remembered by identity and version
+# counter (a strong reference keeps its memory from being reused while it is remembered;
+# in-place changes bump the version). Nothing is remembered or reused while a CUDA graph is
+# being captured: a captured quantization must not be reused outside that graph's replay.
+SHARE_INPUT_QUANTIZATION = True
+_last_input: tuple | None = None  # (x, x._version, k_padded, (x_q, x_scale, x_rowsum))
+
+
+def clear_quantization_cache() -> None:
+    global _last_input
+    _last_input = None
+
+
+def _quantized_input(x: Tensor, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
+    global _last_input
+    share = SHARE_INPUT_QUANTIZATION and not torch.cuda.is_current_stream_capturing()
+    if share and _last_input is not None:
+        x0, version, kp, result = _last_input
+        if x0 is x and version == x._version and kp == k_padded:
+            return result
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float16).contiguous()
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    result = torch.ops.qoqtool.quantize_per_token(x2, k_padded)
+    _last_input = (x, x._version, k_padded, result) if share else None
+    return result
+
+
+def packed_linear_forward(module, x: Tensor) -> Tensor:
+    """y = module(x) on the GPU kernels for a packed linear (qoqtool.runtime.packed_linear).
+
+    x: any leading dims, fp16/bf16/fp32 (quantized from fp16); returns x.dtype. Raises
+    NotImplementedError for formats without a kernel (unquantized activations, UINT4 with
+    float group scales) so that the caller can fall back to the reference path.
+    """
+    if module.act_bits != 8:
+        raise NotImplementedError("no kernel for W4A16/W8A16 (unquantized activations)")
+    kind = module.kind
+    if kind == "uint4" and module.group_size is not None:
+        raise NotImplementedError("no kernel for UINT4 weights with float group scales")
+    if kind not in ("progressive", "uint4", "int8_channel"):
+        raise NotImplementedError(f"no kernel for packed format {kind!r}")
+    if x.shape[-1] != module.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the layer takes {module.in_features}")
+    x_q, x_scale, x_rowsum = _quantized_input(x, module.k_padded)
+    n = module.out_features
+    if kind == "progressive":
+        y = torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, module.qweight, module.scale0, module.scale1,
+                                                  module.zero_x_scale1, n)
+    elif kind == "uint4":
+        y = torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, module.qweight, module.scale,
+                                                    module.zero, n)
+    else:
+        y = torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, module.qweight, module.scale, n)
+    if module.bias is not None:
+        y = y.float() + module.bias.float()  # as the reference path adds it: in fp32
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -1,0 +1,120 @@
+"""The fused quantization kernels against qoqtool.quantizers.activations.quantize_per_token.
+
+quantize_per_token is bit-exact (same amax, same IEEE division by the same fp16 scale,
+same round-half-to-even). rmsnorm_quantize and silu_mul_quantize compute their fp16 input
+as transformers does, up to the order of a sum and the rsqrt/exp approximations, so their
+codes may differ by one where a value sits on a rounding boundary: the tests bound how
+often and by how much. GPU tests are marked gpu; the validation tests run on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qoqtool.quantizers.activations import quantize_per_token as reference_quantize
+from qoqtool.runtime import cuda_ops
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernels run there)")
+
+SHAPES = [  # M, K, K padded
+    (1, 576, 576),
+    (3, 576, 640),  # padded to the g128 group
+    (7, 100, 128),  # K not a multiple of 8: the scalar-load path
+    (33, 4096, 4096),
+    (5, 11008, 11008),
+    (2, 28672, 28672),
+    (300, 1536, 1536),
+]
+
+
+def random_rows(m, k, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda") * torch.rand(m, 1, generator=g, device="cuda") * 8
+    x[0, : k // 3] *= 50  # an outlier channel band, as real activations have
+    return x.half()
+
+
+def check_against_reference(got, y: torch.Tensor, k_padded: int, exact: bool) -> None:
+    """got = (x_q, x_scale, x_rowsum) from a kernel; y the fp16 values it quantized."""
+    x_q, x_scale, x_rowsum = got
+    m, k = y.shape
+    assert x_q.shape == (m, k_padded) and x_scale.shape == (m,) and x_rowsum.shape == (m,)
+    assert torch.equal(x_q[:, k:], torch.zeros_like(x_q[:, k:])), "the padding must be zero"
+    assert torch.equal(x_rowsum, x_q.sum(1, dtype=torch.int32)), "row sums of the codes"
+    codes, scales = reference_quantize(y)
+    if exact:
+        assert torch.equal(x_q[:, :k], codes)
+        assert torch.equal(x_scale.float(), scales)
+        return
+    # One fp16 ulp of the scale, one code step, on a small fraction of the values.
+    assert ((x_scale.float() - scales).abs() <= scales * 2**-10).all()
+    diff = (x_q[:, :k].int() - codes.int()).abs()
+    assert diff.max() <= 1 and diff.float().mean() < 2e-3
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,kp", SHAPES)
+def test_quantize_per_token_is_bit_exact(m, k, kp):
+    x = random_rows(m, k)
+    x[-1] = 0  # an all-zero row: the scale is the smallest fp16, the codes 0
+    check_against_reference(torch.ops.qoqtool.quantize_per_token(x, kp), x, kp, exact=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,kp", SHAPES)
+def test_rmsnorm_quantize_matches_llama_rmsnorm(m, k, kp):
+    x = random_rows(m, k)
+    weight = (torch.rand(k, device="cuda") + 0.5).half()
+    eps = 1e-5
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).half()  # LlamaRMSNorm in fp16
+    check_against_reference(torch.ops.qoqtool.rmsnorm_quantize(x, weight, eps, kp), y, kp, exact=False)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,kp", SHAPES)
+def test_silu_mul_quantize_matches_fp32_product(m, k, kp):
+    gate, up = random_rows(m, k, 1), random_rows(m, k, 2)
+    y = (torch.nn.functional.silu(gate.float()) * up.float()).half()
+    check_against_reference(torch.ops.qoqtool.silu_mul_quantize(gate, up, kp), y, kp, exact=False)
+
+
+@gpu
+@pytest.mark.gpu
+def test_quantize_under_cuda_graph():
+    x = random_rows(16, 4096)
+    op = torch.ops.qoqtool.quantize_per_token
+    op(x, 4096)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = op(x, 4096)
+    x.copy_(random_rows(16, 4096, seed=5))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static, op(x, 4096)):
+        assert torch.equal(a, b)
+
+
+def test_validation_rejects_bad_input_on_the_cpu():
+    x = torch.zeros(4, 100, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        cuda_ops.quantize_per_token(x.float(), 128)
+    with pytest.raises(ValueError, match="k_padded"):
+        cuda_ops.quantize_per_token(x, 112)  # not a multiple of 32
+    with pytest.raises(ValueError, match="k_padded"):
+        cuda_ops.quantize_per_token(x, 96)  # shorter than K
+    with pytest.raises(ValueError, match="k_padded"):
+        cuda_ops.quantize_per_token(torch.zeros(1, 40000, dtype=torch.float16), 40000)
+    with pytest.raises(ValueError, match="contiguous"):
+        cuda_ops.quantize_per_token(torch.zeros(128, 4, dtype=torch.float16).t(), 128)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        cuda_ops.rmsnorm_quantize(x, torch.ones(99, dtype=torch.float16), 1e-5, 128)
+    with pytest.raises(ValueError, match="up must have shape"):
+        cuda_ops.silu_mul_quantize(x, x[:2], 128)
+    with pytest.raises(ValueError, match="CUDA"):
+        cuda_ops.quantize_per_token(x, 128)

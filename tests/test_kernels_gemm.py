@@ -1,0 +1,342 @@
+"""The W4A8 / W8A8 GEMM kernels against exact integer references.
+
+GPU tests (marked gpu, skipped without CUDA): on random codes in the packed layout, the
+kernels' INT32 accumulations equal an integer matmul bit for bit, and the fp16 outputs are
+within 1e-3 (relative Frobenius norm) of the float64 product of those integers and the
+scales, for the benchmark shapes and for odd shapes (K not a multiple of 128, N not a
+multiple of 32, M = 1, 3, 17, 129). Outputs are poisoned before each run. CPU tests: the
+tile plan and the argument validation, which must reject bad input before any launch.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qoqtool.packing.layout import pack_group_params, pack_w4, pack_w8, pad_rows, padded_rows
+from qoqtool.quantizers.activations import quantize_per_token
+from qoqtool.quantizers.formats import Int8ChannelWeight, ProgressiveWeight, UInt4Weight, padded_size
+from qoqtool.runtime import cuda_ops
+from qoqtool.runtime.intmath import int8_matmul
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the kernels run there)")]
+
+
+def on_gpu(f):
+    for mark in gpu:
+        f = mark(f)
+    return f
+
+
+BENCH_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (14336, 4096)]  # (N, K)
+BENCH_M = [1, 16, 64, 256, 1024, 4096, 8192]
+KINDS = ["per_group", "per_channel", "w8a8"]
+REL_TOL = 1e-3
+
+
+# -- random operands in the packed layout ---------------------------------------------------------
+@functools.lru_cache(maxsize=32)  # ~150 MB each at most: every benchmark shape stays cached
+def make_weight(kind: str, n: int, k: int, group: int, seed: int = 0):
+    """(quantized weight [n, k] in its unpacked format, packed kernel operands, INT8 operand [n, Kp])."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randint(lo, hi, shape):  # hi inclusive; lo, hi tensors or ints
+        u = torch.rand(shape, generator=g, device="cuda")
+        return (lo + torch.floor(u * (torch.as_tensor(hi) - lo + 1))).to(torch.int16)
+
+    np_ = padded_rows(n)
+    if kind == "w8a8":
+        codes = randint(-128, 127, (n, k)).to(torch.int8)
+        codes = torch.nn.functional.pad(codes, (0, padded_size(k, 32) - k))
+        scale = (torch.rand(n, generator=g, device="cuda") * 1e-2 + 1e-3).half()
+        w = Int8ChannelWeight(codes, scale, k)
+        ops = (pack_w8(pad_rows(codes, np_, 0)), pad_rows(scale, np_, 1.0))
+        return w, ops, codes
+    if kind == "per_channel":
+        kp = padded_size(k, 32)
+        zero = randint(0, 15, (n, 1))
+        codes = randint(0, 15, (n, kp))
+        codes[:, k:] = zero  # padded columns dequantize to zero
+        scale = (torch.rand(n, 1, generator=g, device="cuda") * 1e-2 + 1e-3).half()
+        w = UInt4Weight(codes.to(torch.uint8), scale, zero.to(torch.uint8), k, k)
+        ops = (pack_w4(pad_rows(codes.to(torch.uint8), np_, 0)), pad_rows(scale[:, 0], np_, 1.0),
+               pad_rows(zero[:, 0].to(torch.uint8), np_, 0))
+        return w, ops, (codes - zero).to(torch.int8)
+    # progressive: s1 in 1..16, z*s1 <= 128, codes only where (q - z)*s1 stays in [-128, 127]
+    kp = padded_size(k, group)
+    groups = kp // group
+    s1 = randint(1, 16, (n, groups))
+    z = randint(0, torch.clamp(128 // s1, max=15), (n, groups))
+    lo, hi = (z - 128 // s1).clamp(min=0), (z + 127 // s1).clamp(max=15)
+    expand = functools.partial(torch.repeat_interleave, repeats=group, dim=1)
+    codes = randint(expand(lo), expand(hi), (n, kp))
+    codes[:, k:] = expand(z)[:, k:]
+    scale0 = (torch.rand(n, generator=g, device="cuda") * 1e-3 + 1e-4).half()
+    u8 = functools.partial(torch.Tensor.to, dtype=torch.uint8)
+    w = ProgressiveWeight(u8(codes), scale0, u8(s1), u8(z), group, k)
+    ops = (pack_w4(pad_rows(u8(codes), np_, 0)), pad_rows(scale0, np_, 1.0),
+           pack_group_params(pad_rows(u8(s1), np_, 1)), pack_group_params(pad_rows(u8(z * s1), np_, 0)))
+    return w, ops, w.int8_operand()
+
+
+def make_activations(m: int, k: int, kp: int, seed: int = 1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x_q = torch.randint(-127, 128, (m, kp), generator=g, device="cuda", dtype=torch.int8)
+    x_q[:, k:] = 0  # padding past K, as the quantize kernel writes it
+    x_scale = (torch.rand(m, generator=g, device="cuda") + 0.5).half()
+    return x_q, x_scale, x_q.sum(1, dtype=torch.int32)
+
+
+def operands(kind, packed, x_q, x_scale, x_rowsum):
+    if kind == "per_channel":
+        return (x_q, x_scale, x_rowsum, *packed)
+    return (x_q, x_scale, *packed)
+
+
+def check_gemm(kind: str, m: int, n: int, k: int, group: int = 128) -> None:
+    w, packed, w8 = make_weight(kind, n, k, group)
+    kp = w8.shape[1]
+    x_q, x_scale, x_rowsum = make_activations(m, k, kp)
+    args = operands(kind, packed, x_q, x_scale, x_rowsum)
+
+    acc_ref = int8_matmul(x_q, w8)
+    acc = torch.full((m, n), -(2**31) + 7, dtype=torch.int32, device="cuda")  # poison
+    cuda_ops.run_gemm(kind, *args, out_features=n, out=acc, out_i32=True)
+    mismatch = (acc != acc_ref).sum().item()
+    assert mismatch == 0, f"{kind} M={m} N={n} K={k}: {mismatch} INT32 accumulations differ"
+
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")  # poison
+    cuda_ops.run_gemm(kind, *args, out_features=n, out=out)
+    assert not out.isnan().any(), "an output was not written (or is NaN)"
+    ref = acc_ref.double() * x_scale.double()[:, None] * w.row_scale().double()[None, :] if kind != "per_channel" \
+        else acc_ref.double() * w.scale[:, 0].double()[None, :] * x_scale.double()[:, None]
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel <= REL_TOL, f"{kind} M={m} N={n} K={k}: relative error {rel:.2e}"
+
+
+# -- GPU: exactness on the benchmark shapes and on odd ones --------------------------------------
+@on_gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", BENCH_SHAPES)
+@pytest.mark.parametrize("m", BENCH_M)
+def test_benchmark_shapes_exact(kind, m, n, k):
+    check_gemm(kind, m, n, k)
+
+
+ODD_SHAPES = [  # (kind, N, K, group): K not a multiple of 128, N not a multiple of 32
+    ("per_group", 1000, 600, 32),
+    ("per_group", 576, 576, 64),
+    ("per_group", 1000, 576, 128),  # K padded to 640
+    ("per_channel", 576, 576, 0),
+    ("per_channel", 1000, 1000, 0),  # K padded to 1024
+    ("w8a8", 1000, 576, 0),
+    ("w8a8", 192, 1536, 0),
+]
+
+
+@on_gpu
+@pytest.mark.parametrize("kind,n,k,group", ODD_SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 17, 129])
+def test_odd_shapes_exact(kind, n, k, group, m):
+    check_gemm(kind, m, n, k, group or 128)
+
+
+# Every kernel instantiation and split count the plan can pick, on a shape that divides
+# nothing evenly (M = 100 tokens, 23 k-tiles, 32 row tiles with a partial last one).
+FORCED = [cuda_ops.Plan(cuda_ops.STREAM, nb, s) for nb in (1, 2, 4, 8) for s in (1, 3)] + [
+    cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 3)
+]
+
+
+@on_gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("forced", FORCED, ids=lambda p: f"{'wgmma' if p.kernel else 'stream'}{p.tile}-split{p.splits}")
+def test_every_configuration_exact(kind, forced, monkeypatch):
+    if forced.kernel == cuda_ops.WGMMA and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs a Hopper GPU")
+    monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", forced)
+    check_gemm(kind, 100, 1000, 736, 32)
+
+
+@on_gpu
+def test_split_k_counters_reset_under_cuda_graph():
+    """A split-K GEMM captured in a CUDA graph gives the right answer on every replay (the
+    counters are reset by the kernel itself), for new inputs copied into the static ones."""
+    n, k = 4096, 4096
+    w, packed, w8 = make_weight("per_group", n, k, 128)
+    x_q, x_scale, _ = make_activations(1, k, k)
+    assert cuda_ops.plan(1, n // 32, k // 32, *cuda_ops._device_info(0)).splits > 1
+    op = torch.ops.qoqtool.w4a8_gemm_per_group
+    op(x_q, x_scale, *packed, n)  # warm up (library, counters) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = op(x_q, x_scale, *packed, n)
+    for seed in (2, 3, 4):
+        new_q, new_s, _ = make_activations(1, k, k, seed)
+        x_q.copy_(new_q)
+        x_scale.copy_(new_s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, op(x_q, x_scale, *packed, n))
+
+
+# -- GPU: the packed linear's forward pass -----------------------------------------------------------
+def packed_module(kind: str, n: int, k: int, group: int, bias: bool):
+    w, packed, _ = make_weight(kind, n, k, group)
+    names = {"per_group": ("qweight", "scale0", "scale1", "zero_x_scale1"), "per_channel": ("qweight", "scale", "zero"),
+             "w8a8": ("qweight", "scale")}[kind]
+    fmt = {"per_group": "progressive", "per_channel": "uint4", "w8a8": "int8_channel"}[kind]
+    module = SimpleNamespace(kind=fmt, act_bits=8, in_features=k, out_features=n, n_padded=padded_rows(n),
+                             k_padded=packed[0].shape[1] * 32, group_size=group if kind == "per_group" else None,
+                             bias=torch.randn(n, device="cuda") if bias else None, **dict(zip(names, packed)))
+    return w, module
+
+
+@on_gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_packed_linear_forward_matches_reference(kind, dtype):
+    n, k = 1000, 576
+    w, module = packed_module(kind, n, k, 64, bias=True)
+    x = torch.randn(2, 5, k, device="cuda", dtype=dtype)
+    y = cuda_ops.packed_linear_forward(module, x)
+    assert y.dtype == dtype and y.shape == (2, 5, n)
+    x16 = x.reshape(-1, k).half()
+    codes, scales = quantize_per_token(x16)
+    ref = w.linear_int8(codes, scales) + module.bias.float()
+    rel = ((y.reshape(-1, n).double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel <= (REL_TOL if dtype != torch.bfloat16 else 5e-3), f"relative error {rel:.2e}"  # bf16 output rounding
+
+
+@on_gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_linear_module_dispatches_to_the_kernels(kind):
+    """qoqtool.runtime.packed_linear.PackedLinear on CUDA runs these kernels (not its fallback)
+    and agrees with its own exact reference path."""
+    packed_linear = pytest.importorskip("qoqtool.runtime.packed_linear")
+    w, _, _ = make_weight(kind, 1000, 576, 64)
+    module = packed_linear.PackedLinear.pack(w, None, 8).cuda()
+    x = torch.randn(3, 576, device="cuda", dtype=torch.float16)
+    y = module(x)
+    assert packed_linear._kernels() is cuda_ops and module.use_kernels, "the kernel path did not run"
+    ref = module.reference()(x)
+    rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel <= REL_TOL, f"relative error {rel:.2e}"
+
+
+@on_gpu
+def test_shared_input_quantization_follows_in_place_changes():
+    """q/k/v share one quantization of their input, but never a stale one."""
+    _, module = packed_module("per_group", 576, 576, 64, bias=False)
+    x = torch.randn(4, 576, device="cuda", dtype=torch.float16)
+    first = cuda_ops.packed_linear_forward(module, x)
+    assert torch.equal(cuda_ops.packed_linear_forward(module, x), first)  # a cache hit, same answer
+    x.mul_(2)  # bumps the version counter
+    again = cuda_ops.packed_linear_forward(module, x)
+    cuda_ops.clear_quantization_cache()
+    assert torch.equal(again, cuda_ops.packed_linear_forward(module, x))
+    assert not torch.equal(again, first)
+
+
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose data starts one byte past a 16-byte boundary."""
+    buf = torch.empty(t.numel() * t.element_size() + 16, dtype=torch.uint8, device=t.device)
+    view = buf[1 : 1 + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    return view.copy_(t)
+
+
+@on_gpu
+def test_bad_input_is_refused_before_launch():
+    w, packed, _ = make_weight("per_group", 1000, 600, 32)
+    x_q, x_scale, _ = make_activations(3, 600, 608)
+    op = torch.ops.qoqtool.w4a8_gemm_per_group
+    bad = {
+        "non-contiguous x_q": ((torch.zeros(608, 3, dtype=torch.int8, device="cuda").t(), x_scale, *packed, 1000), "contiguous"),
+        "x_q on the CPU": ((x_q.cpu(), x_scale, *packed, 1000), "device"),
+        "qweight of the wrong dtype": ((x_q, x_scale, packed[0].to(torch.int8), *packed[1:], 1000), "uint8"),
+        "K of x and W differ": ((x_q[:, :576].contiguous(), x_scale, *packed, 1000), "shape"),
+        "x_scale fp32": ((x_q, x_scale.float(), *packed, 1000), "float16"),
+        "too many outputs": ((x_q, x_scale, *packed, 1025), "out_features"),
+        "misaligned qweight": ((x_q, x_scale, misaligned(packed[0]), *packed[1:], 1000), "aligned"),
+    }
+    for what, (args, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            op(*args)
+    torch.cuda.synchronize()  # nothing was launched, so nothing can have faulted
+    op(x_q, x_scale, *packed, 1000)
+
+
+# -- CPU: the plan and the validation -----------------------------------------------------------------
+@pytest.mark.parametrize("n,k", BENCH_SHAPES + [(576, 576), (192, 576), (1000, 256), (32, 32)])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 33, 64, 256, 1024, 8192])
+def test_plan_covers_the_gpu(m, n, k):
+    sms = 132
+    p = cuda_ops.plan(m, n // 32, k // 32, sms, hopper=True)
+    ctas = p.grid_tiles(m, n // 32) * p.splits
+    assert 1 <= p.splits <= cuda_ops.MAX_SPLITS and p.splits <= k // 32
+    if m <= 32:
+        assert p.kernel == cuda_ops.STREAM and 8 * p.tile >= m
+    else:
+        assert p.kernel == cuda_ops.WGMMA
+    if n * k >= 4096 * 4096:
+        assert ctas >= sms / 2  # enough CTAs to keep every multiprocessor busy
+    assert cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False).kernel == cuda_ops.STREAM  # sm_80: mma.sync only
+
+
+# The fastest configuration measured on the H200 for these cases (benchmarks/notes-gemm.md,
+# run 3 "explore" and run 2): the plan must keep picking it.
+MEASURED_BEST = [  # (M, N, K, kernel, tile, splits)
+    (1, 4096, 4096, cuda_ops.STREAM, 1, 4),
+    (1, 8192, 8192, cuda_ops.STREAM, 1, 2),
+    (16, 8192, 8192, cuda_ops.STREAM, 2, 2),
+    (32, 8192, 8192, cuda_ops.STREAM, 4, 2),
+    (64, 8192, 8192, cuda_ops.WGMMA, 1, 2),
+    (128, 8192, 8192, cuda_ops.WGMMA, 1, 2),
+    (256, 8192, 8192, cuda_ops.WGMMA, 2, 2),
+    (512, 8192, 8192, cuda_ops.WGMMA, 2, 1),
+    (1024, 14336, 4096, cuda_ops.WGMMA, 2, 1),
+]
+
+
+@pytest.mark.parametrize("m,n,k,kernel,tile,splits", MEASURED_BEST)
+def test_plan_picks_the_measured_best(m, n, k, kernel, tile, splits):
+    assert cuda_ops.plan(m, n // 32, k // 32, 132, hopper=True) == cuda_ops.Plan(kernel, tile, splits)
+
+
+def test_validation_rejects_bad_operands_on_the_cpu():
+    x_q = torch.zeros(3, 64, dtype=torch.int8)
+    x_scale = torch.zeros(3, dtype=torch.float16)
+    qweight = torch.zeros(1, 2, 32, 16, dtype=torch.uint8)
+    scale0 = torch.zeros(32, dtype=torch.float16)
+    params = torch.zeros(1, 1, 32, dtype=torch.uint8)
+    cases = [
+        ((x_q.float(), x_scale, qweight, scale0, params, params, 32), "x_q must be int8"),
+        ((x_q[:, :48].contiguous(), x_scale, qweight, scale0, params, params, 32), "multiple of 32"),
+        ((x_q, x_scale[:2], qweight, scale0, params, params, 32), "x_scale must have shape"),
+        ((x_q, x_scale, qweight[:, :1], scale0, params, params, 32), "qweight must have shape"),
+        ((x_q, x_scale, qweight, scale0[:16], params, params, 32), "scale0 must have shape"),
+        ((x_q, x_scale, qweight, scale0, params.repeat(1, 3, 1), params.repeat(1, 3, 1), 32), "group size"),
+        ((x_q, x_scale, qweight, scale0, params, params, 33), "out_features"),
+        ((x_q, x_scale, qweight, scale0, params, params, 32), "CUDA"),  # all valid but on the CPU
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            cuda_ops.w4a8_gemm_per_group(*args)
+    with pytest.raises(ValueError, match="x_rowsum"):
+        cuda_ops.w4a8_gemm_per_channel(x_q, x_scale, x_scale, qweight, scale0, scale0.to(torch.uint8), 32)
+    with pytest.raises(ValueError, match="qweight must be int8"):
+        cuda_ops.w8a8_gemm(x_q, x_scale, qweight, scale0, 32)
+
+
+def test_formats_without_a_kernel_are_declined():
+    module = SimpleNamespace(kind="progressive", act_bits=16, group_size=128)
+    with pytest.raises(NotImplementedError):
+        cuda_ops.packed_linear_forward(module, torch.zeros(1, 128))
+    module = SimpleNamespace(kind="uint4", act_bits=8, group_size=128)
+    with pytest.raises(NotImplementedError):
+        cuda_ops.packed_linear_forward(module, torch.zeros(1, 128))
