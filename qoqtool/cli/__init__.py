@@ -35,10 +35,25 @@ app = typer.Typer(
 from qoqtool.cli import commands  # noqa: E402,F401
 
 
+def _quiet_libraries() -> None:
+    """Our own progress bars only: silence transformers' and the hub's tqdm bars."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors become one line and exit code 2."""
     from qoqtool.cli.ui import err
 
+    _quiet_libraries()
     try:
         app(args=argv, standalone_mode=False)
     except UserError as e:

@@ -76,6 +76,7 @@ def quantize(
     device = _check_device(device)
     output = output or _default_output(model, recipe)
     fs.check_output_dir(output, overwrite)
+    _check_model_argument(model)
     if calib in ("wikitext2", "pile"):
         from qoqtool.data import sources
 
@@ -203,9 +204,9 @@ def _check_model_argument(spec: str) -> None:
     path = Path(spec).expanduser()
     if path.is_dir() and fs.read_manifest(path) is not None:
         return
-    from qoqtool.models.loading import load_config, resolve_model
+    from qoqtool.models.loading import validate_model
 
-    load_config(resolve_model(spec))
+    validate_model(spec)
 
 
 # ----------------------------------------------------------------------------------------
@@ -219,17 +220,17 @@ def pack(
 ):
     """Pack a quantized folder into the kernels' byte layout (see docs/format.md).
 
+    Every linear is checked to unpack bit for bit to the quantized folder's codes, scales
+    and zeros before anything is written. Embeddings and norms are stored in fp16.
+
     Example:
 
       qoqtool pack smol-qoq -o smol-qoq-packed
     """
-    try:
-        from qoqtool.packing.packed import pack_folder
-    except ImportError:
-        raise UserError("qoqtool pack is not yet implemented in this version") from None
-    report = pack_folder(quantized_dir, output or f"{quantized_dir.rstrip('/')}-packed", outliers, overwrite)
     from qoqtool.cli.info import print_size_report
+    from qoqtool.packing.packed import pack_folder
 
+    report = pack_folder(quantized_dir, output or f"{quantized_dir.rstrip('/')}-packed", outliers, overwrite)
     print_size_report(report)
     ui.write_json(json_out, report)
 
@@ -246,10 +247,10 @@ def info(
 
       qoqtool info smol-qoq
     """
-    from qoqtool.cli.info import folder_report, print_folder_report
+    from qoqtool.cli.info import folder_report, print_size_report
 
     report = folder_report(path)
-    print_folder_report(report)
+    print_size_report(report)
     ui.write_json(json_out, report)
 
 

@@ -63,6 +63,11 @@ def folder_report(path: str) -> dict:
     }
 
 
+def _describe_weights(w: dict) -> str:
+    group = f"g{w['group_size']}" if w.get("group_size") else "per-channel"
+    return f"w{w.get('bits')} {w.get('scheme')} {group}"
+
+
 def print_folder_report(report: dict) -> None:
     recipe = report.get("recipe") or {}
     calib = report.get("calibration") or {}
@@ -70,14 +75,15 @@ def print_folder_report(report: dict) -> None:
         ["format", f"{report['format']} v{report['format_version']}"],
         ["source model", report.get("source_model")],
         ["recipe", recipe.get("name")],
-        ["weights", str(recipe.get("weights"))],
+        ["weights", _describe_weights(recipe.get("weights") or {})],
         ["activations / KV cache", f"{recipe.get('activations', {}).get('bits')} / {recipe.get('kv_cache', {}).get('bits')} bits"],
         ["steps", ", ".join(next(iter(s)) for s in recipe.get("steps", [])) or "round to nearest"],
         ["calibration", f"{calib.get('source')} {calib.get('samples')}x{calib.get('seqlen')}" if calib else "-"],
         ["quantized linears", f"{report['linears']} {report['formats']}"],
-        ["bits / stored weight", report["bits_per_stored_weight"]],
-        ["bits / weight (logical)", report["bits_per_weight"]],
     ]
+    if "size" not in report:  # packed folders show these, with their counts, in the size table
+        rows.append(["bits / stored weight", report["bits_per_stored_weight"]])
+        rows.append(["bits / weight (logical)", report["bits_per_weight"]])
     for name, size in sorted(report["files"].items()):
         rows.append([f"file {name}", f"{size / 2**20:.2f} MiB"])
     for note in report.get("notes", []):
@@ -85,5 +91,32 @@ def print_folder_report(report: dict) -> None:
     ui.table(report["path"], ["", "value"], rows)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
 def print_size_report(report: dict) -> None:
+    """The folder table, then (packed folders) where the bytes go, against fp16."""
     print_folder_report(report)
+    size = report.get("size")
+    if not size:
+        return
+    lin = size["linear_bytes"]
+    rows = [
+        ["linear codes", _mib(lin["codes"])],
+        ["linear scales + zeros", _mib(lin["scales_and_zeros"])],
+        ["bits / stored weight", f"{size['bits_per_stored_weight']:.4f} ({size['stored_weights']:,} stored, K padded)"],
+        ["bits / weight", f"{size['bits_per_weight']:.4f} ({size['quantized_weights']:,} weights)"],
+    ]
+    for k, row in size["padding_by_in_features"].items():
+        if row["k_padded"] != int(k):
+            share = f"+{100 * row['padding_share']:.1f}% stored weights in {row['linears']} linears"
+            rows.append([f"padding K {k} -> {row['k_padded']}", share])
+    ratio = size["fp16_bytes"] / size["total_bytes"]
+    rows += [
+        ["embeddings (fp16)", _mib(size["float_bytes"]["embeddings"])],
+        ["other float tensors (fp16)", _mib(size["float_bytes"]["other"])],
+        ["total tensors", _mib(size["total_bytes"])],
+        ["same model in fp16", f"{_mib(size['fp16_bytes'])} ({ratio:.2f}x larger)"],
+    ]
+    ui.table(f"size of {report['path']}", ["", "value"], rows)

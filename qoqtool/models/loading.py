@@ -144,12 +144,24 @@ def load_tokenizer(source: ModelSource):
     return AutoTokenizer.from_pretrained(source.folder, **kwargs)
 
 
+def validate_model(spec: str):
+    """Everything that can be checked without loading weights: the path or id, the config
+    and its architecture, the safetensors headers of a local folder. Returns (source, config)."""
+    source = resolve_model(spec)
+    config = load_config(source)
+    if not source.is_hub and not source.gguf_file:
+        from qoqtool.packing.folder import check_safetensors
+
+        for weights in sorted(Path(source.folder).glob("*.safetensors")):
+            check_safetensors(weights)  # one clear line for a truncated or corrupt file
+    return source, config
+
+
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
     """Load an original (not quantized) model: returns (model, tokenizer, source)."""
     from transformers import AutoModelForCausalLM
 
-    source = resolve_model(spec)
-    config = load_config(source)
+    source, config = validate_model(spec)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -27,11 +27,18 @@ group as [g (8), i (4)], so lane l reads its four rows (8*i + g) as one 32-bit w
 Shapes: N is padded to a multiple of 32 with rows whose codes equal their zero point, K
 to a multiple of the group size (or of 32 for per-channel formats) likewise; padded
 positions dequantize to exactly zero.
+
+`PackedLayout` (second half of this file) applies these byte orders to each quantized
+weight format: which tensors a packed linear holds, their shapes, and the padding values.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from qoqtool.quantizers.formats import Int8ChannelWeight, ProgressiveWeight, QuantizedWeight, UInt4Weight
 
 TILE_N = 32  # output channels (rows) per tile
 TILE_K = 32  # input channels per tile: one mma k-step
@@ -120,3 +127,170 @@ def lane_fragment_coords(lane: int, word: int, byte: int, nibble: int) -> tuple[
     reading the kernel: lane l, word i, byte j, nibble h -> row 8i + l//4, col 16h + 4(l%4) + j.
     """
     return 8 * word + lane // 4, 16 * nibble + 4 * (lane % 4) + byte
+
+
+# ----------------------------------------------------------------------------------------
+# Per-format packed tensors: what one quantized linear becomes (docs/format.md, "Linears").
+#
+#   kind          group_size  buffers (Np = N padded to 32, Kp = K padded, G = Kp / group size)
+#   progressive   g           qweight u8 [Np/32, Kp/32, 32, 16]  scale0 f16 [Np]
+#                             scale1 u8 [Np/32, G, 32]           zero_x_scale1 u8 [Np/32, G, 32]
+#   uint4         None        qweight u8 (as above)              scale f16 [Np], zero u8 [Np]
+#   uint4         g           qweight u8 (as above)              scale f16 [Np/32, G, 32], zero u8 [Np/32, G, 32]
+#   int8_channel  None        qweight i8 [Np/32, Kp/32, 32, 32]  scale f16 [Np]
+#
+# Padded rows are neutral: codes 0 with zero point 0 (so they dequantize to 0), scales 1.
+
+NEUTRAL_SCALE = 1.0
+KINDS = ("progressive", "uint4", "int8_channel")
+
+
+def padded_to(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _pad_codes(codes: torch.Tensor, n_padded: int, k_padded: int, fill: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] -> [Np, Kp]: new columns take each row's zero point `fill` [N, 1], new rows 0."""
+    n, k = codes.shape
+    if k < k_padded:
+        codes = torch.cat([codes, fill.to(codes.dtype).expand(n, k_padded - k)], dim=1)
+    return pad_rows(codes, n_padded, 0)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """How one linear is packed: its format, logical shape [N, K] and group size.
+
+    group_size is None for the per-channel formats (uint4 with one group spanning the
+    row, int8_channel). `pack` and `unpack` are exact inverses on the quantized formats.
+    """
+
+    kind: str
+    out_features: int  # N
+    in_features: int  # K
+    group_size: int | None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown packed format {self.kind!r}; known: {', '.join(KINDS)}")
+        if self.kind == "progressive" and self.group_size is None:
+            raise ValueError("progressive weights are per group; give their group size")
+        if self.kind == "int8_channel" and self.group_size is not None:
+            raise ValueError("int8_channel weights are per channel; their group size is None")
+        if self.group_size is not None and (self.group_size <= 0 or self.group_size % TILE_K):
+            raise ValueError(f"group size {self.group_size} is not a multiple of {TILE_K}: a group must cover whole k-tiles")
+
+    @classmethod
+    def of(cls, weight: QuantizedWeight) -> "PackedLayout":
+        n, k = weight.shape
+        if isinstance(weight, UInt4Weight) and weight.group_size == k:
+            return cls("uint4", n, k, None)  # one group spanning the row: the per-channel variant
+        return cls(weight.kind, n, k, getattr(weight, "group_size", None))
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "PackedLayout":
+        n, k = meta["shape"]
+        return cls(meta["kind"], int(n), int(k), meta.get("group_size"))
+
+    def meta(self) -> dict:
+        return {
+            "kind": self.kind,
+            "shape": [self.out_features, self.in_features],
+            "group_size": self.group_size,
+            "n_padded": self.n_padded,
+            "k_padded": self.k_padded,
+        }
+
+    @property
+    def n_padded(self) -> int:
+        return padded_to(self.out_features, TILE_N)
+
+    @property
+    def k_padded(self) -> int:
+        return padded_to(self.in_features, self.group_size or TILE_K)
+
+    @property
+    def groups(self) -> int:
+        return self.k_padded // self.group_size if self.group_size else 1
+
+    def spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every packed tensor, in the order of the table above."""
+        nt, kt, np_ = self.n_padded // TILE_N, self.k_padded // TILE_K, self.n_padded
+        if self.kind == "int8_channel":
+            return {"qweight": ((nt, kt, LANES, W8_BYTES_PER_LANE), torch.int8), "scale": ((np_,), torch.float16)}
+        grouped = (nt, self.groups, TILE_N)
+        spec = {"qweight": ((nt, kt, LANES, W4_BYTES_PER_LANE), torch.uint8)}
+        if self.kind == "progressive":
+            spec["scale0"] = ((np_,), torch.float16)
+            spec["scale1"] = (grouped, torch.uint8)
+            spec["zero_x_scale1"] = (grouped, torch.uint8)
+        elif self.group_size is None:
+            spec["scale"] = ((np_,), torch.float16)
+            spec["zero"] = ((np_,), torch.uint8)
+        else:
+            spec["scale"] = (grouped, torch.float16)
+            spec["zero"] = (grouped, torch.uint8)
+        return spec
+
+    def check(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError unless `tensors` holds exactly this layout's tensors."""
+        for name, (shape, dtype) in self.spec().items():
+            t = tensors.get(name)
+            if t is None:
+                raise ValueError(f"missing packed tensor {name!r}")
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                got = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                raise ValueError(f"packed tensor {name!r} is {got}, expected {str(dtype).removeprefix('torch.')}{list(shape)}")
+
+    # -- pack ---------------------------------------------------------------------------
+    def pack(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        if PackedLayout.of(weight) != self:
+            raise ValueError(f"a {PackedLayout.of(weight)} weight does not fit the layout {self}")
+        np_, kp = self.n_padded, self.k_padded
+        if self.kind == "int8_channel":
+            codes = _pad_codes(weight.codes, np_, kp, torch.zeros(1, 1))
+            return {"qweight": pack_w8(codes), "scale": pad_rows(weight.scale, np_, NEUTRAL_SCALE)}
+        if self.kind == "uint4" and self.group_size is None:
+            codes = _pad_codes(weight.codes, np_, kp, weight.zero)
+            return {
+                "qweight": pack_w4(codes),
+                "scale": pad_rows(weight.scale[:, 0], np_, NEUTRAL_SCALE),
+                "zero": pad_rows(weight.zero[:, 0], np_, 0),
+            }
+        if weight.codes.shape[1] != kp:
+            raise ValueError(f"grouped codes are {weight.codes.shape[1]} wide, expected K padded to the group: {kp}")
+        packed = {"qweight": pack_w4(pad_rows(weight.codes, np_, 0))}
+        if self.kind == "uint4":
+            packed["scale"] = pack_group_params(pad_rows(weight.scale, np_, NEUTRAL_SCALE))
+            packed["zero"] = pack_group_params(pad_rows(weight.zero, np_, 0))
+            return packed
+        s1 = pad_rows(weight.scale1, np_, 1)
+        zs1 = pad_rows(weight.zero, np_, 0).to(torch.int16) * s1.to(torch.int16)  # what the kernel subtracts
+        if zs1.numel() and int(zs1.max()) > 255:
+            raise ValueError("zero * scale1 exceeds a byte (the quantizer keeps z <= 15, s1 <= 16)")
+        packed["scale0"] = pad_rows(weight.scale0, np_, NEUTRAL_SCALE)
+        packed["scale1"] = pack_group_params(s1)
+        packed["zero_x_scale1"] = pack_group_params(zs1.to(torch.uint8))
+        return packed
+
+    # -- unpack -------------------------------------------------------------------------
+    def unpack(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+        """The quantized weight exactly as `qoqtool quantize` stored it (padding dropped)."""
+        self.check(tensors)
+        n, k, g = self.out_features, self.in_features, self.group_size
+        if self.kind == "int8_channel":
+            codes = unpack_w8(tensors["qweight"])[:n, :k].contiguous()
+            return Int8ChannelWeight(codes, tensors["scale"][:n].contiguous(), k)
+        codes = unpack_w4(tensors["qweight"])[:n]
+        if self.kind == "uint4" and g is None:
+            scale, zero = tensors["scale"][:n, None], tensors["zero"][:n, None]
+            return UInt4Weight(codes[:, :k].contiguous(), scale.contiguous(), zero.contiguous(), k, k)
+        if self.kind == "uint4":
+            scale = unpack_group_params(tensors["scale"])[:n]
+            return UInt4Weight(codes, scale, unpack_group_params(tensors["zero"])[:n], g, k)
+        s1 = unpack_group_params(tensors["scale1"])[:n].to(torch.int16)
+        zs1 = unpack_group_params(tensors["zero_x_scale1"])[:n].to(torch.int16)
+        if (s1 == 0).any() or (zs1 % s1.clamp(min=1)).any():
+            raise ValueError("zero_x_scale1 is not a multiple of scale1: the packed tensors are inconsistent")
+        zero = (zs1 // s1).to(torch.uint8)
+        return ProgressiveWeight(codes, tensors["scale0"][:n].contiguous(), s1.to(torch.uint8), zero, g, k)

@@ -62,18 +62,24 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
     from transformers import AutoConfig
 
     from qoqtool.packing import quantized
+    from qoqtool.packing.packed import fp16_rounded
     from qoqtool.runtime.attention import enable_kv_quantization
     from qoqtool.runtime.reference import QuantLinear
 
     quantized.check_manifest(manifest, str(path))
     config = AutoConfig.from_pretrained(path)
     weights, tensors = quantized.load_weights(path, manifest)
+    outliers = quantized.load_outliers(path, manifest)
+    # Deployed float tensors (embeddings, norms, biases) are fp16 (docs/format.md): evaluate
+    # them as deployed, so that the packed folder scores exactly what this folder scores.
+    tensors = {name: fp16_rounded(t) for name, t in tensors.items()}
     model = build_empty_model(config)
     for name, qweight in weights.items():
         parent_name, attr = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
         bias = tensors.get(f"{name}.bias")  # stays in `tensors`: load_state_dict assigns it
-        setattr(parent, attr, QuantLinear(qweight, bias, manifest["linears"][name]["act_bits"]))
+        act_bits = manifest["linears"][name]["act_bits"]
+        setattr(parent, attr, QuantLinear(qweight, bias, act_bits, outliers=outliers.get(name)))
     model = finish_loading(model, tensors, device)
     enable_kv_quantization(model, int(manifest["recipe"]["kv_cache"]["bits"]))
     return model
