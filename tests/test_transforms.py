@@ -43,7 +43,7 @@ def _transform_recipe(steps):
 ALL_STEPS = [
     {"rotate": {"value_hadamard": True}},
     {"smooth_attention": {"alpha": 0.5}},
-    {"smooth_output": {"grid": 4, "max_tokens": 256}},
+    {"smooth_output": {"grid": 4}},
     {"reorder": {}},
 ]
 

@@ -1,6 +1,11 @@
 """Capture what layer steps need from one pass of a layer over its calibration inputs:
 per-channel absolute maxima of linear inputs, a seeded subsample of those inputs (for grid
 searches), and the absolute maxima of post-RoPE keys per KV head and channel.
+
+The pipeline captures once per layer, before the layer steps; each step that rescales or
+permutes a watched input updates the capture exactly (`scale_input`, `permute_input`,
+`scale_keys`), so the steps after it see the statistics of the transformed layer without
+another pass over the data.
 """
 
 from __future__ import annotations
@@ -17,6 +22,24 @@ class LayerCapture:
     absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> [K]
     samples: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> [T, K] float32
     key_absmax: torch.Tensor | None = None  # [kv_heads, head_dim]
+
+    def scale_input(self, name: str, factor: torch.Tensor) -> None:
+        """The input of `name` became x * factor (per channel, factor > 0)."""
+        factor = factor.float().cpu()
+        self.absmax[name] = self.absmax[name] * factor
+        if name in self.samples:
+            self.samples[name] = self.samples[name] * factor
+
+    def permute_input(self, name: str, perm: torch.Tensor) -> None:
+        """The input of `name` became x[:, perm]."""
+        perm = perm.cpu()
+        self.absmax[name] = self.absmax[name][perm]
+        if name in self.samples:
+            self.samples[name] = self.samples[name][:, perm]
+
+    def scale_keys(self, factor: torch.Tensor) -> None:
+        """Keys became k * factor ([kv_heads, head_dim], factor > 0)."""
+        self.key_absmax = self.key_absmax * factor.float().cpu()
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from qoqtool.calibration.capture import LayerCapture, capture_layer
 from qoqtool.calibration.runner import capture_first_layer_inputs, run_layer
 from qoqtool.calibration.stats import InputStats, collect_input_stats
 from qoqtool.calibration.steps import STEPS, step_params
@@ -31,6 +32,11 @@ from qoqtool.runtime.reference import QuantLinear
 
 ProgressFn = Callable[[str, int, int], None]  # (what, done, total)
 
+# What the layer steps read: the inputs of the linears they rebalance (o_proj, down_proj),
+# a subsample of CAPTURED_TOKENS of them for grid searches, and the post-RoPE keys.
+CAPTURED_INPUTS = ("o_proj", "down_proj")
+CAPTURED_TOKENS = 2048
+
 
 @dataclass
 class QuantizeResult:
@@ -39,7 +45,10 @@ class QuantizeResult:
     input_stats: dict[str, InputStats]  # qualified linear name -> statistics of its input
     layer_report: dict[str, dict]  # qualified linear name -> error figures
     notes: list[str] = field(default_factory=list)
+    step_log: list[str] = field(default_factory=list)  # per-layer decisions of the steps
     seconds: float = 0.0
+    outliers: dict | None = None  # the outlier budget and how many were kept (quantize --outliers)
+    float_weights: dict[str, torch.Tensor] | None = None  # fp16 weights before rounding, if asked
 
 
 @dataclass
@@ -53,7 +62,8 @@ class LayerContext:
     device: torch.device
     recipe: Recipe
     batch_size: int
-    notes: list[str]
+    log: list[str]
+    capture: LayerCapture | None = None  # one pass over the layer, kept exact by the steps
 
 
 def _qualified(index: int, name: str) -> str:
@@ -61,11 +71,14 @@ def _qualified(index: int, name: str) -> str:
     return f"model.layers.{index}.{sub}.{name}"
 
 
-def weight_error(w: torch.Tensor, qweight: QuantizedWeight, stats: InputStats) -> dict:
+def weight_error(w: torch.Tensor, qweight: QuantizedWeight, stats: InputStats, outliers=None) -> dict:
     """Relative weight error, and the output error it causes on the calibration inputs
-    (diagonal-Hessian approximation: sum_k E[x_k^2] |dW[:, k]|^2 over sum_k E[x_k^2] |W[:, k]|^2)."""
+    (diagonal-Hessian approximation: sum_k E[x_k^2] |dW[:, k]|^2 over sum_k E[x_k^2] |W[:, k]|^2).
+    outliers: the SparseOutliers kept beside the codes, if any (part of the weight)."""
     w = w.float()
     dw = qweight.dequantize().to(w.device) - w
+    if outliers is not None:
+        dw += outliers.to_dense().to(w.device)
     msq = stats.mean_sq.to(w.device)
     return {
         "weight_rel_error": float(dw.norm() / w.norm().clamp(min=1e-12)),
@@ -73,8 +86,14 @@ def weight_error(w: torch.Tensor, qweight: QuantizedWeight, stats: InputStats) -
     }
 
 
-def solve_linear(weight: torch.Tensor, stats: InputStats, recipe: Recipe, solver_params: dict) -> QuantizedWeight:
-    """Round one weight [N, K] in the recipe's format: GPTQ if the recipe asks, else RTN."""
+def solve_linear(weight: torch.Tensor, stats: InputStats, recipe: Recipe, solver_params: dict, outliers=None) -> QuantizedWeight:
+    """Round one weight [N, K] in the recipe's format: GPTQ if the recipe asks, else RTN.
+
+    outliers: an `OutlierKeeper` (qoqtool.quantizers.outliers): the same solvers, keeping
+    the most salient weights in fp16 (afterwards in `outliers.sparse`).
+    """
+    if outliers is not None:
+        return outliers.solve(weight, stats, recipe, solver_params)
     scheme = WeightScheme(recipe.weights)
     clip = None
     if "clip" in solver_params:
@@ -96,11 +115,24 @@ def quantize_model(
     device: str | torch.device = "cpu",
     batch_size: int = 8,
     progress: ProgressFn | None = None,
+    transform_only: bool = False,
+    outliers=None,
+    keep_float_weights: bool = False,
 ) -> QuantizeResult:
+    """Apply `recipe` to `model` in place (see the module docstring).
+
+    transform_only: run the recipe's transforms (rotation, smoothing, reordering, ...) but
+    leave every weight and activation in float - the model must then compute what it did
+    before, up to rounding, which is how the transforms are tested.
+    outliers: an `OutlierBudget` (qoqtool.quantizers.outliers): keep that many weights in fp16.
+    keep_float_weights: also return every linear's weight before rounding (fp16), which
+    `qoqtool pack --outliers` needs to choose outliers later for recipes with transforms.
+    """
     start = time.perf_counter()
     device = torch.device(device)
     adapter = ModelAdapter(model)
     notes: list[str] = []
+    log: list[str] = []
     model.to("cpu")
     model.config.use_cache = False
     # The KV quantizer lives in the attention function; layers switch it on once quantized,
@@ -115,29 +147,54 @@ def quantize_model(
     solver = {s.name: step_params(s.name, s.params) for s in recipe.steps if STEPS[s.name].phase == "solver"}
 
     inputs = capture_first_layer_inputs(adapter, tokens, device)
+    targets = None
+    if outliers is not None and not transform_only:
+        from qoqtool.quantizers.outliers import OutlierKeeper, plan_outliers
+
+        targets = plan_outliers(outliers, adapter, inputs, recipe, device, batch_size, _qualified)
+    kept, weights, float_weights = 0, 0, {}
     all_stats: dict[str, InputStats] = {}
     report: dict[str, dict] = {}
     for i in range(adapter.num_layers):
         parts = adapter.parts(i)
         parts.layer.to(device)
-        ctx = LayerContext(i, adapter, parts, inputs, device, recipe, batch_size, notes)
+        ctx = LayerContext(i, adapter, parts, inputs, device, recipe, batch_size, log)
+        if layer_steps:
+            ctx.capture = capture_layer(ctx, CAPTURED_INPUTS, max_tokens=CAPTURED_TOKENS, keys=True)
         for name, params in layer_steps:
             STEPS[name].run(ctx, params)
-        stats, _ = collect_input_stats(parts, inputs, device, with_hessian="gptq" in solver, batch_size=batch_size)
+        if transform_only:
+            inputs.hidden = run_layer(parts.layer, inputs, device, batch_size)
+            parts.layer.to("cpu")
+            if progress:
+                progress("layers", i + 1, adapter.num_layers)
+            continue
+        need_hessian = "gptq" in solver or "clip" in solver
+        stats, _ = collect_input_stats(parts, inputs, device, with_hessian=need_hessian, batch_size=batch_size)
         for name in LINEAR_NAMES:
             linear = getattr(parts, name)
-            qweight = solve_linear(linear.weight.data, stats[name], recipe, solver)
             qualified = _qualified(i, name)
-            report[qualified] = weight_error(linear.weight.data, qweight, stats[name])
+            keeper = OutlierKeeper(targets[qualified]) if targets else None
+            qweight = solve_linear(linear.weight.data, stats[name], recipe, solver, keeper)
+            sparse = keeper.sparse if keeper else None
+            kept, weights = kept + (sparse.nnz if sparse else 0), weights + linear.weight.numel()
+            if keep_float_weights:
+                float_weights[qualified] = linear.weight.data.half().cpu()
+            report[qualified] = weight_error(linear.weight.data, qweight, stats[name], sparse)
             parent = parts.attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else parts.mlp
-            setattr(parent, name, QuantLinear(qweight, linear.bias, recipe.act_bits).to(device))
-            stats[name].xtx = None  # Hessians are large; keep only the per-channel figures
+            setattr(parent, name, QuantLinear(qweight, linear.bias, recipe.act_bits, outliers=sparse).to(device))
             all_stats[qualified] = stats[name]
+        for st in stats.values():
+            st.xtx = None  # Hessians are large (K x K); keep only the per-channel figures
         parts.attn.qoq_kv_bits = recipe.kv_bits
         inputs.hidden = run_layer(parts.layer, inputs, device, batch_size)
         parts.layer.to("cpu")
         if progress:
             progress("layers", i + 1, adapter.num_layers)
 
-    enable_kv_quantization(model, recipe.kv_bits)
-    return QuantizeResult(model, recipe, all_stats, report, notes, time.perf_counter() - start)
+    enable_kv_quantization(model, 16 if transform_only else recipe.kv_bits)
+    result = QuantizeResult(model, recipe, all_stats, report, notes, log, time.perf_counter() - start)
+    if targets:
+        result.outliers = {**outliers.to_dict(), "count": kept, "share": kept / weights}
+    result.float_weights = float_weights or None
+    return result

@@ -72,7 +72,17 @@ def capture_first_layer_inputs(adapter: ModelAdapter, tokens: torch.Tensor, devi
             for module in pre:
                 module.to("cpu")
     kwargs = {k: _to_device(v, "cpu") for k, v in (catcher.kwargs or {}).items()}
-    return LayerInputs(torch.cat(catcher.inputs), kwargs)
+    hidden = torch.cat(catcher.inputs)
+    return LayerInputs(hidden.to(device) if fits_on_device(hidden, device) else hidden, kwargs)
+
+
+def fits_on_device(hidden: torch.Tensor, device) -> bool:
+    """Keep the hidden states on a GPU when inputs and outputs take under a quarter of its free memory."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    free, _ = torch.cuda.mem_get_info(device)
+    return 2 * hidden.numel() * hidden.element_size() < free // 4
 
 
 def _to_device(value, device):
@@ -93,14 +103,14 @@ def layer_kwargs(inputs: LayerInputs, device) -> dict:
 
 @torch.no_grad()
 def run_layer(layer: nn.Module, inputs: LayerInputs, device, batch_size: int = 8) -> torch.Tensor:
-    """Run `layer` over all hidden states in batches; returns [N, L, H] on the CPU."""
+    """Run `layer` over all hidden states in batches; returns [N, L, H] where the inputs live."""
     kwargs = layer_kwargs(inputs, device)
     outs = []
     for start in range(0, inputs.hidden.shape[0], batch_size):
         x = inputs.hidden[start : start + batch_size].to(device)
         y = layer(x, **kwargs)
         y = y[0] if isinstance(y, tuple) else y
-        outs.append(y.detach().to("cpu", inputs.hidden.dtype))
+        outs.append(y.detach().to(inputs.hidden.device, inputs.hidden.dtype))
     return torch.cat(outs)
 
 

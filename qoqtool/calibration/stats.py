@@ -47,7 +47,9 @@ class InputStats:
         self.sum_sq += (xd * xd).sum(0).to(self.sum_sq.device)
         self.absmax = torch.maximum(self.absmax, x.abs().amax(0).float().to(self.absmax.device))
         if self.xtx is not None:
-            self.xtx += (xd.t() @ xd).to(self.xtx.device)
+            # one batch in float32 (fast), accumulated across batches in float64
+            xf = x.float()
+            self.xtx += (xf.t() @ xf).double().to(self.xtx.device)
 
     @classmethod
     def empty(cls, k: int, device, with_hessian: bool) -> "InputStats":

@@ -40,3 +40,8 @@ def step_params(name: str, raw: dict):
         )
     return spec.params(**raw)
 
+
+
+# The modules that define steps register them when imported.
+from qoqtool.quantizers import clipping, gptq  # noqa: E402,F401
+from qoqtool.transforms import reorder, rotation, smooth_attention, smooth_output  # noqa: E402,F401

@@ -5,6 +5,14 @@
                                      per quantized linear PREFIX: PREFIX.codes (one code a
                                      byte, [N, K_padded]) and the format's scales/zeros
     calib_stats.safetensors          per linear input: PREFIX.act_mean_sq, PREFIX.act_absmax
+    outliers.safetensors             only after `quantize --outliers`: per linear with outliers
+                                     PREFIX.outlier_rows, PREFIX.outlier_cols (int32, natural
+                                     [N, K] coordinates, sorted) and PREFIX.outlier_values (fp16
+                                     residuals over the dense codes); the manifest's "outliers"
+                                     names the budget
+    float_weights.safetensors        only when asked (keep_float_weights): PREFIX.weight, the
+                                     fp16 weight before rounding, as transformed, which
+                                     `pack --outliers` needs for recipes with transforms
     qoqtool.json                     manifest: format "qoqtool-quantized", version, recipe,
                                      calibration (source, hash), per-linear format and errors,
                                      sha256 of every tensor
@@ -28,6 +36,8 @@ FORMAT = "qoqtool-quantized"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 STATS_FILE = "calib_stats.safetensors"
+OUTLIERS_FILE = "outliers.safetensors"
+FLOAT_WEIGHTS_FILE = "float_weights.safetensors"
 
 
 def model_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -59,6 +69,9 @@ def save(result, tokenizer, out: str, source: str, calibration: dict, overwrite:
     for name, st in result.input_stats.items():
         stats[f"{name}.act_mean_sq"] = st.mean_sq.contiguous().cpu()
         stats[f"{name}.act_absmax"] = st.absmax.float().cpu().clone()  # q/k/v share one
+    sparse = outlier_tensors(model)
+    floats = {f"{name}.weight": w.contiguous() for name, w in (getattr(result, "float_weights", None) or {}).items()}
+    extra = {OUTLIERS_FILE: sparse, FLOAT_WEIGHTS_FILE: floats}
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -69,16 +82,23 @@ def save(result, tokenizer, out: str, source: str, calibration: dict, overwrite:
         "calibration": calibration,
         "architecture": (model.config.architectures or [type(model).__name__])[0],
         "notes": list(result.notes),
+        "step_log": list(result.step_log),
         "seconds": round(result.seconds, 1),
         "linears": linears,
         "files": {WEIGHTS_FILE: fs.tensor_records(tensors), STATS_FILE: fs.tensor_records(stats)},
     }
+    if sparse:
+        manifest["outliers"] = getattr(result, "outliers", None) or {}
+    manifest["files"].update({f: fs.tensor_records(t) for f, t in extra.items() if t})
     with fs.atomic_output_dir(out, overwrite) as tmp:
         model.config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         save_file(stats, str(tmp / STATS_FILE), metadata={"format": "pt"})
+        for filename, t in extra.items():
+            if t:
+                save_file(t, str(tmp / filename), metadata={"format": "pt"})
         fs.write_manifest(tmp, manifest)
     return Path(out)
 
@@ -119,3 +139,64 @@ def load_stats(folder: str | Path, manifest: dict) -> dict[str, torch.Tensor]:
     tensors = fs.load_tensors(path)
     fs.verify_checksums(tensors, manifest["files"][STATS_FILE], str(path))
     return tensors
+
+
+def outlier_tensors(model) -> dict[str, torch.Tensor]:
+    """PREFIX.outlier_rows/cols/values of every QuantLinear that keeps outliers."""
+    from qoqtool.runtime.reference import QuantLinear
+
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear) and getattr(module, "outliers", None) is not None:
+            for key, value in module.outliers.tensors().items():
+                tensors[f"{name}.{key}"] = value.detach().contiguous().cpu()
+    return tensors
+
+
+def load_outliers(folder: str | Path, manifest: dict) -> dict:
+    """The SparseOutliers of each linear that has them ({} for a folder without outliers)."""
+    from qoqtool.quantizers.outliers import SparseOutliers
+
+    if OUTLIERS_FILE not in manifest.get("files", {}):
+        return {}
+    path = Path(folder) / OUTLIERS_FILE
+    if not path.is_file():
+        raise UserError(f"{folder} has no {OUTLIERS_FILE} though its manifest lists it; re-create the folder")
+    tensors = fs.load_tensors(path)
+    fs.verify_checksums(tensors, manifest["files"][OUTLIERS_FILE], str(path))
+    found = {}
+    for name, meta in manifest["linears"].items():
+        own = {k: tensors[f"{name}.{k}"] for k in ("outlier_rows", "outlier_cols", "outlier_values") if f"{name}.{k}" in tensors}
+        if own:
+            try:
+                found[name] = SparseOutliers.from_tensors(own, meta["shape"])
+            except (KeyError, ValueError) as err:
+                raise UserError(f"{path}: the outliers of {name} are damaged ({err}); re-create the folder") from None
+    return found
+
+
+def load_float_weights(folder: str | Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """Every quantized linear's weight before rounding, as transformed.
+
+    From float_weights.safetensors when the folder kept them; otherwise, when the recipe
+    has no transforms (only solver steps such as GPTQ or clipping, or none), they are the
+    original model's weights, loaded from `source_model`.
+    """
+    from qoqtool.calibration.steps import STEPS
+
+    path = Path(folder) / FLOAT_WEIGHTS_FILE
+    if FLOAT_WEIGHTS_FILE in manifest.get("files", {}):
+        tensors = fs.load_tensors(path)
+        fs.verify_checksums(tensors, manifest["files"][FLOAT_WEIGHTS_FILE], str(path))
+        return {name: tensors[f"{name}.weight"] for name in manifest["linears"]}
+    steps = [next(iter(step)) for step in manifest.get("recipe", {}).get("steps", [])]
+    transforms = [s for s in steps if s not in STEPS or STEPS[s].phase != "solver"]
+    if transforms:
+        raise UserError(
+            f"{folder} was quantized with transforms ({', '.join(transforms)}) and did not keep its float weights; "
+            "quantize with --outliers, or re-quantize with --keep-float-weights"
+        )
+    from qoqtool.models.loading import load_model
+
+    model, _, _ = load_model(manifest["source_model"], dtype="float32", device="cpu")
+    return {name: model.get_submodule(name).weight.data for name in manifest["linears"]}

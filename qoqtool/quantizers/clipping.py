@@ -57,7 +57,7 @@ def search_clip(weight: torch.Tensor, stats, scheme: WeightScheme, params: ClipP
     for i in range(params.steps + 1):
         r = 1.0 - (1.0 - params.min_ratio) * i / params.steps
         clip = torch.full((n, groups), r, device=w.device)
-        dw = pad_columns(scheme.quantize(weight, clip).dequantize().to(w.device), kp) - w
+        dw = pad_columns(scheme.fake_quantize(weight, clip), kp) - w
         err = group_errors(dw, h, g)
         better = err < best_err
         best_err = torch.where(better, err, best_err)

@@ -75,17 +75,19 @@ class WeightScheme:
             amax = w.float().abs().amax(dim=1, keepdim=True)
             self.level0 = to_fp16_exact(amax / PROTECTIVE_RANGE)
 
-    def fit(self, w: torch.Tensor, clip: torch.Tensor | float = 1.0) -> Grid:
-        """A grid for one group of columns w [N, g] (the whole row for per-channel)."""
+    def fit(self, w: torch.Tensor, clip: torch.Tensor | float = 1.0, level0: torch.Tensor | None = None) -> Grid:
+        """A grid for one group of columns w [N, g] (the whole row for per-channel).
+
+        level0: the progressive level-0 scale of each row of w, when the rows of w are not
+        the rows `prepare` saw (the vectorised RTN below fits [N * G, g] blocks at once)."""
         scheme = self.config.scheme
         if scheme == "asymmetric":
             return asymmetric_grid(w, self.config.bits, clip)
         if scheme == "symmetric":
             return symmetric_grid(w, self.config.bits, clip)
-        return self._fit_progressive(w, clip)
+        return self._fit_progressive(w, clip, self.level0 if level0 is None else level0)
 
-    def _fit_progressive(self, w: torch.Tensor, clip) -> Grid:
-        s0 = self.level0
+    def _fit_progressive(self, w: torch.Tensor, clip, s0: torch.Tensor) -> Grid:
         w8 = torch.round(w.float() / s0).clamp(-PROTECTIVE_RANGE, PROTECTIVE_RANGE)
         mn = (w8.amin(dim=1, keepdim=True) * clip).clamp(max=0)
         mx = (w8.amax(dim=1, keepdim=True) * clip).clamp(min=0)
@@ -98,8 +100,13 @@ class WeightScheme:
 
     # -- assembling ---------------------------------------------------------------------
     def assemble(self, codes: torch.Tensor, grids: list[Grid], in_features: int) -> QuantizedWeight:
-        """Build the stored format from codes [N, K_padded] (float holding integers) and grids."""
+        """Build the stored format from codes [N, K_padded] (float holding integers) and the
+        grids of the groups, in order."""
         stored = {key: torch.cat([g.stored[key] for g in grids], dim=1) for key in grids[0].stored}
+        return self._build(codes, stored, in_features)
+
+    def _build(self, codes: torch.Tensor, stored: dict[str, torch.Tensor], in_features: int) -> QuantizedWeight:
+        """The stored format from codes and the per-group stored values, each [N, G]."""
         cfg = self.config
         if cfg.scheme == "symmetric":
             return Int8ChannelWeight(codes.to(torch.int8), stored["scale"][:, 0].half(), in_features)
@@ -121,21 +128,34 @@ class WeightScheme:
         )
 
     # -- round to nearest ---------------------------------------------------------------
-    def quantize(self, w: torch.Tensor, clip: torch.Tensor | None = None) -> QuantizedWeight:
-        """Round-to-nearest: fit each group of w [N, K] and round. clip: [N, G] ratios or None."""
+    def _fit_all(self, w: torch.Tensor, clip: torch.Tensor | None) -> tuple[torch.Tensor, Grid, int]:
+        """Fit every group of w [N, K] at once: the padded weight viewed as N * G rows of g,
+        which is exactly what the per-row grid functions fit. Returns (blocks, grid, G)."""
         n, k = w.shape
         w = pad_columns(w.float(), self.padded(k))
         self.prepare(w)
-        g = self.group_size_for(k)
-        grids, codes = [], []
-        for i in range(w.shape[1] // g):
-            block = w[:, i * g : (i + 1) * g]
-            grid = self.fit(block, 1.0 if clip is None else clip[:, i : i + 1])
-            grids.append(grid)
-            codes.append(grid.quantize(block))
-        codes = torch.cat(codes, dim=1)
-        codes = _neutral_padding(codes, grids, g, k)
-        return self.assemble(codes, grids, k)
+        groups = w.shape[1] // self.group_size_for(k)
+        blocks = w.reshape(n * groups, -1)  # row n * G + i = group i of row n
+        level0 = None if self.level0 is None else self.level0.repeat_interleave(groups, dim=0)
+        grid = self.fit(blocks, 1.0 if clip is None else clip.reshape(n * groups, 1).to(w.device), level0)
+        return blocks, grid, groups
+
+    def fake_quantize(self, w: torch.Tensor, clip: torch.Tensor | None = None) -> torch.Tensor:
+        """What RTN would dequantize to, [N, K] float32, without building the stored format
+        (the inner loop of clip and smoothing searches)."""
+        n, k = w.shape
+        blocks, grid, _ = self._fit_all(w, clip)
+        return grid.fake(blocks).reshape(n, -1)[:, :k]
+
+    def quantize(self, w: torch.Tensor, clip: torch.Tensor | None = None) -> QuantizedWeight:
+        """Round-to-nearest: fit each group of w [N, K] and round. clip: [N, G] ratios or None."""
+        n, k = w.shape
+        blocks, grid, groups = self._fit_all(w, clip)
+        codes = grid.quantize(blocks).reshape(n, -1)
+        if codes.shape[1] != k:  # padded columns: their zero point, so they dequantize to exactly 0
+            codes[:, k:] = grid.zero.reshape(n, groups)[:, -1:]
+        stored = {key: value.reshape(n, groups) for key, value in grid.stored.items()}
+        return self._build(codes, stored, k)
 
 
 def _neutral_padding(codes: torch.Tensor, grids: list[Grid], g: int, k: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 We register one attention function, "qoqtool", that quantizes K (after RoPE, as the model
 hands it over) and V per token and per KV head, then calls the ordinary SDPA attention.
 Each attention module says how many KV bits it uses in its `qoq_kv_bits` attribute
-(16: no quantization).
+(16: no quantization); calibration may set `qoq_observer(key, value)` to watch K and V.
 
 Why re-quantizing the whole K/V on every call is exact: the quantization is per token, so
 quantizing [cache; new] equals [quantized cache; quantized new]. The transformers cache
@@ -23,6 +23,9 @@ _registered = False
 def qoq_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    observer = getattr(module, "qoq_observer", None)
+    if observer is not None:  # calibration statistics of post-RoPE K and V
+        observer(key, value)
     bits = getattr(module, "qoq_kv_bits", 16)
     if bits < 16:
         key = fake_quantize_kv(key, bits)

@@ -23,5 +23,8 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch._int_mm(a.contiguous(), b.t().contiguous())
     if m > 16 and k % 8 == 0 and n % 8 == 0:
         # cuBLASLt's int8 path wants the second operand column-major: b.t() of a row-major b.
-        return torch._int_mm(a.contiguous(), b.contiguous().t())
+        try:
+            return torch._int_mm(a.contiguous(), b.contiguous().t())
+        except RuntimeError:  # a layout this build's cuBLASLt refuses: the exact fallback below
+            pass
     return (a.double() @ b.double().t()).to(torch.int32)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from qoqtool.calibration.capture import capture_layer
 from qoqtool.calibration.steps import register_step
 
 
@@ -47,12 +46,13 @@ def salience_order(absmax: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def run(ctx, params: ReorderParams) -> None:
     parts, adapter = ctx.parts, ctx.adapter
-    cap = capture_layer(ctx, tuple(params.linears), max_tokens=0)
+    cap = ctx.capture
     if "down_proj" in params.linears:
         perm = salience_order(cap.absmax["down_proj"]).to(parts.down_proj.weight.device)
         _permute_rows(parts.gate_proj, perm)
         _permute_rows(parts.up_proj, perm)
         _permute_cols(parts.down_proj, perm)
+        cap.permute_input("down_proj", perm)
     if "o_proj" in params.linears:
         kv, heads, d = adapter.num_kv_heads, adapter.num_heads, adapter.head_dim
         group = heads // kv
@@ -63,6 +63,7 @@ def run(ctx, params: ReorderParams) -> None:
         dev = parts.o_proj.weight.device
         _permute_rows(parts.v_proj, v_perm.to(dev))
         _permute_cols(parts.o_proj, o_perm.to(dev))
+        cap.permute_input("o_proj", o_perm)
 
 
 register_step("reorder", "layer", ReorderParams, run)

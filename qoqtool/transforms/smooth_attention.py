@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from qoqtool.calibration.capture import capture_layer
 from qoqtool.calibration.steps import register_step
 
 
@@ -48,9 +47,10 @@ def apply_attention_scales(parts, lam: torch.Tensor, num_heads: int) -> None:
 
 
 def run(ctx, params: SmoothAttentionParams) -> None:
-    cap = capture_layer(ctx, (), max_tokens=0, keys=True)
+    cap = ctx.capture
     lam = attention_scales(cap.key_absmax, params.alpha)
     apply_attention_scales(ctx.parts, lam.to(ctx.parts.q_proj.weight.device), ctx.adapter.num_heads)
+    cap.scale_keys(1.0 / lam)  # q.k is unchanged, so o_proj's and down_proj's inputs are too
 
 
 register_step("smooth_attention", "layer", SmoothAttentionParams, run)

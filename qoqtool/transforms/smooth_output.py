@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from qoqtool.calibration.capture import capture_layer
 from qoqtool.calibration.steps import register_step
 from qoqtool.quantizers.activations import fake_quantize_per_token
 from qoqtool.quantizers.schemes import WeightScheme
@@ -29,28 +28,28 @@ from qoqtool.quantizers.schemes import WeightScheme
 @dataclass
 class SmoothOutputParams:
     grid: int = 20  # alpha candidates: 0, 1/grid, ..., (grid-1)/grid, and no smoothing
-    max_tokens: int = 2048  # calibration tokens used by the search
     linears: tuple = ("o_proj", "down_proj")
 
 
-def quantized_output_error(x: torch.Tensor, w: torch.Tensor, recipe) -> float:
-    """|| Q_a(x) Q_w(w)^T - x w^T ||^2 under the recipe's RTN weights and INT8 activations."""
-    wq = WeightScheme(recipe.weights).quantize(w).dequantize().to(w.device)
+def quantized_output_error(x: torch.Tensor, w: torch.Tensor, recipe, reference: torch.Tensor) -> float:
+    """|| Q_a(x) Q_w(w)^T - reference ||^2 under the recipe's RTN weights and INT8 activations."""
+    wq = WeightScheme(recipe.weights).fake_quantize(w)
     xq = fake_quantize_per_token(x) if recipe.act_bits == 8 else x
-    return float((xq @ wq.t() - x @ w.t()).pow(2).sum())
+    return float((xq @ wq.t() - reference).pow(2).sum())
 
 
 def search_scales(x: torch.Tensor, w: torch.Tensor, x_max: torch.Tensor, w_max: torch.Tensor,
                   recipe, grid: int, expand=lambda s: s) -> tuple[torch.Tensor, float]:
     """Best s (per smoothing channel) and its alpha (-1.0: no smoothing) for x [T, K], w [N, K]."""
+    reference = x @ w.t()  # smoothing is exact in float: every candidate aims at this
     best_s, best_alpha = torch.ones_like(x_max), -1.0
-    best_err = quantized_output_error(x, w, recipe)
+    best_err = quantized_output_error(x, w, recipe, reference)
     for i in range(grid):
         alpha = i / grid
         s = (x_max.clamp(min=1e-5).pow(alpha) / w_max.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()  # centre the scales: only ratios between channels matter
         full = expand(s)
-        err = quantized_output_error(x / full, w * full, recipe)
+        err = quantized_output_error(x / full, w * full, recipe, reference)
         if err < best_err:
             best_s, best_alpha, best_err = s, alpha, err
     return best_s, best_alpha
@@ -69,7 +68,7 @@ def _scale_cols(linear, factor: torch.Tensor) -> None:
 @torch.no_grad()
 def run(ctx, params: SmoothOutputParams) -> None:
     parts, adapter = ctx.parts, ctx.adapter
-    cap = capture_layer(ctx, tuple(params.linears), max_tokens=params.max_tokens)
+    cap = ctx.capture
     chosen = []
     if "o_proj" in params.linears:
         kv, heads, d = adapter.num_kv_heads, adapter.num_heads, adapter.head_dim
@@ -85,6 +84,7 @@ def run(ctx, params: SmoothOutputParams) -> None:
         s, alpha = search_scales(cap.samples["o_proj"].to(w.device), w, x_max, w_max, ctx.recipe, params.grid, expand)
         _scale_rows(parts.v_proj, 1.0 / s)
         _scale_cols(parts.o_proj, expand(s))
+        cap.scale_input("o_proj", 1.0 / expand(s))
         chosen.append(f"o_proj alpha={alpha:g}")
     if "down_proj" in params.linears:
         w = parts.down_proj.weight.data.float()
@@ -92,6 +92,7 @@ def run(ctx, params: SmoothOutputParams) -> None:
         s, alpha = search_scales(cap.samples["down_proj"].to(w.device), w, x_max, w.abs().amax(0), ctx.recipe, params.grid)
         _scale_rows(parts.up_proj, 1.0 / s)
         _scale_cols(parts.down_proj, s)
+        cap.scale_input("down_proj", 1.0 / s)
         chosen.append(f"down_proj alpha={alpha:g}")
     ctx.log.append(f"layer {ctx.index} smooth_output: " + ", ".join(chosen))
 
