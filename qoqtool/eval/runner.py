@@ -6,7 +6,7 @@ import time
 
 from qoqtool.cli import ui
 from qoqtool.errors import UserError
-from qoqtool.eval.tasks import EvalSettings, zero_shot_tasks
+from qoqtool.eval.tasks import EvalSettings, lm_eval_tasks
 from qoqtool.packing import folder as fs
 from qoqtool.runtime.loading import LoadedModel, load_any
 
@@ -44,21 +44,43 @@ def evaluate_model(
         with ui.progress_bar(f"fidelity {label}", show_progress) as bar:
             results["fidelity"] = fidelity(original.model, loaded.model, text, bar)
         results["fidelity"]["original"] = original.spec
-    zs = [t for t in tasks if t in zero_shot_tasks()]
+    zs = lm_eval_tasks(tasks)
     if zs:
-        from qoqtool.eval.zeroshot import run_zero_shot
+        from qoqtool.eval.zeroshot import average, run_zero_shot
 
         results.update(run_zero_shot(loaded, zs, settings, show_progress))
+        if (avg := average(results)) is not None:
+            results["average"] = avg
     return results
 
 
+# Numbers in a task's results that describe the run rather than score the model.
+BOOKKEEPING = ("seconds", "sample_len", "n-shot")
+
+
+def _scores(entry: dict) -> list[tuple[str, str, float, float | None]]:
+    """(key, label, value, stderr) for each score of one task's results.
+
+    lm-eval names a metric "acc,none" (metric, filter) and its error "acc_stderr,none";
+    the label drops the default filter, and the stderr rides along with its metric.
+    """
+    out = []
+    for key, value in entry.items():
+        if key in BOOKKEEPING or "_stderr" in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        metric, _, flt = key.partition(",")
+        stderr = entry.get(f"{metric}_stderr,{flt}") if flt else None
+        label = metric if flt in ("", "none") else f"{metric} ({flt})"
+        out.append((key, label, value, stderr if isinstance(stderr, float) else None))
+    return out
+
+
 def _rows(results: dict) -> list[list]:
-    rows = []
-    for task, metrics in results.items():
-        for metric, value in metrics.items():
-            if isinstance(value, (int, float)) and metric not in ("seconds",):
-                rows.append([task, metric, value])
-    return rows
+    return [
+        [task, label, value, "" if err is None else err]
+        for task, entry in results.items()
+        for _, label, value, err in _scores(entry)
+    ]
 
 
 def run_eval(models: list[str], tasks: list[str], settings: EvalSettings, device: str, show_progress: bool) -> dict:
@@ -66,7 +88,7 @@ def run_eval(models: list[str], tasks: list[str], settings: EvalSettings, device
     config = {k: v for k, v in vars(settings).items()}
     if len(loaded) == 1:
         res = evaluate_model(loaded[0], tasks, settings, device, show_progress)
-        ui.table(f"{models[0]} ({loaded[0].kind})", ["task", "metric", "value"], _rows(res))
+        ui.table(f"{models[0]} ({loaded[0].kind})", ["task", "metric", "value", "± stderr"], _rows(res))
         return {"model": models[0], "kind": loaded[0].kind, "results": res, "config": config, "versions": fs.versions()}
 
     base, other = loaded
@@ -76,11 +98,11 @@ def run_eval(models: list[str], tasks: list[str], settings: EvalSettings, device
     diff: dict[str, dict] = {}
     rows = []
     for task in res_b:
-        for metric, vb in res_b[task].items():
-            va = res_a.get(task, {}).get(metric)
-            if isinstance(vb, (int, float)) and isinstance(va, (int, float)) and metric != "seconds":
-                diff.setdefault(task, {})[metric] = vb - va
-                rows.append([task, metric, va, vb, vb - va])
+        for key, label, vb, _ in _scores(res_b[task]):
+            va = res_a.get(task, {}).get(key)
+            if isinstance(va, (int, float)) and not isinstance(va, bool):
+                diff.setdefault(task, {})[key] = vb - va
+                rows.append([task, label, va, vb, vb - va])
     ui.table(f"{models[1]} against {models[0]}", ["task", "metric", "A", "B", "B - A"], rows)
     return {
         "models": models,

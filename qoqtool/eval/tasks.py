@@ -2,6 +2,8 @@
 
     wikitext2   perplexity on the WikiText-2 test split (ppl, tokens, windows)
     fidelity    data-free: KL divergence and top-1 agreement against the original model
+    piqa, arc_easy, arc_challenge (arc = both), and any other task lm-eval knows:
+                zero-shot accuracy through lm-eval (`qoqtool.eval.zeroshot`)
 """
 
 from __future__ import annotations
@@ -45,9 +47,20 @@ def parse_tasks(spec: str) -> list[str]:
         raise UserError("--tasks is empty; name at least one task, e.g. --tasks wikitext2")
     known = known_tasks()
     for t in tasks:
-        if t not in known:
-            raise UserError(f"unknown task {t!r}; known tasks: {', '.join(known)}")
+        if t not in known and not _lm_eval_knows(t):
+            raise UserError(f"unknown task {t!r}; known tasks: {', '.join(known)}, or any lm-eval task name")
     return list(dict.fromkeys(tasks))
+
+
+def _lm_eval_knows(task: str) -> bool:
+    from qoqtool.eval.zeroshot import is_lm_eval_task  # imports lm-eval only now
+
+    return is_lm_eval_task(task)
+
+
+def lm_eval_tasks(tasks: list[str]) -> list[str]:
+    """The tasks of `tasks` that run through lm-eval: all but perplexity and fidelity."""
+    return [t for t in tasks if t not in PERPLEXITY_TASKS + FIDELITY_TASKS]
 
 
 def check_task_data(tasks: list[str], settings: EvalSettings) -> None:
@@ -55,12 +68,11 @@ def check_task_data(tasks: list[str], settings: EvalSettings) -> None:
     from qoqtool.data import sources
 
     root = sources.data_dir(settings.data_dir)
-    if root is None:
-        return
-    if "wikitext2" in tasks:
+    if root is not None and "wikitext2" in tasks:
         sources.require_file(root, sources.WIKITEXT_FILES["test"], "the WikiText-2 raw test split")
-    zs = [t for t in tasks if t in zero_shot_tasks()]
+    zs = lm_eval_tasks(tasks)
     if zs:
-        from qoqtool.eval.zeroshot import check_local_data
+        from qoqtool.eval.zeroshot import check_local_data, check_settings
 
-        check_local_data(zs, root)
+        check_settings(settings.limit, settings.batch_size, settings.num_fewshot)
+        check_local_data(zs, root, settings.num_fewshot)

@@ -18,24 +18,30 @@ from qoqtool.quantizers.formats import QuantizedWeight
 class QuantLinear(nn.Module):
     """A linear layer with a quantized weight, run on the exact reference path."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, act_bits: int):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, act_bits: int, outliers=None):
         super().__init__()
         if act_bits not in (8, 16):
             raise ValueError(f"activations are INT8 (8) or unquantized (16), not {act_bits}")
         self.qweight = weight
         self.act_bits = act_bits
+        # fp16 outliers (qoqtool.quantizers.outliers.SparseOutliers): residuals over the
+        # dense codes, W = dequantize(codes) + S
+        self.outliers = outliers
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
         self._operand: torch.Tensor | None = None  # cached INT8 / float weight for the matmul
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.qweight.kind}, a{self.act_bits}"
+        extra = f", {self.outliers.nnz} outliers" if self.outliers is not None else ""
+        return f"{self.in_features} -> {self.out_features}, {self.qweight.kind}, a{self.act_bits}{extra}"
 
     def _apply(self, fn, recurse=True):
         # Keep the (non-parameter) quantized weight on the module's device.
         super()._apply(fn, recurse)
         probe = fn(torch.empty(0))
         self.qweight.to(probe.device)
+        if self.outliers is not None:
+            self.outliers.to(probe.device)
         self._operand = None
         return self
 
@@ -45,6 +51,8 @@ class QuantLinear(nn.Module):
                 self._operand = self.qweight.int8_operand()
             else:
                 self._operand = self.qweight.dequantize()
+                if self.outliers is not None:
+                    self._operand += self.outliers.to_dense()  # W4A16: dense + sparse in float
         return self._operand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +61,10 @@ class QuantLinear(nn.Module):
         if self.act_bits == 8:
             codes, scales = quantize_per_token(x2)
             y = self.qweight.linear_int8(codes, scales, self.operand())
+            if self.outliers is not None:
+                # The sparse term multiplies the same INT8 codes as the dense GEMM (a fused
+                # kernel finds them in its activation tile) and takes the token scale last.
+                y = y + self.outliers.matmul(codes) * scales[:, None]
         else:
             y = x2.float() @ self.operand().t()
         if self.bias is not None:

@@ -1,0 +1,115 @@
+"""Perplexity protocol, fidelity, and calibration data sources."""
+
+import json
+
+import pytest
+import torch
+
+from qoqtool.data import sources
+from qoqtool.data.calibration import build_calibration, sample_synthetic
+from qoqtool.errors import UserError
+from qoqtool.eval.fidelity import fidelity
+from qoqtool.eval.perplexity import perplexity
+from tests.conftest import tiny_model
+
+
+def test_wikitext_rows_follow_the_hf_protocol():
+    raw = " \n = Title = \n \n Some text . \n"
+    rows = sources.wikitext_rows_from_raw(raw)
+    assert rows == ["", " = Title = \n", "", " Some text . \n"]
+    # joined with blank lines: a row's own newline plus the separator
+    assert "\n\n".join(rows) == "\n\n = Title = \n" + "\n\n" + "\n\n" + " Some text . \n"
+
+
+@pytest.mark.slow
+def test_demo_wikitext2_protocol_and_perplexity(demo_model, shared_data):
+    """148 windows / 304,986 tokens, and the first 20 windows within 0.5% of the published 20.967."""
+    from qoqtool.eval.perplexity import wikitext2_test_ids
+
+    model, tok = demo_model
+    ids = wikitext2_test_ids(tok, str(shared_data))
+    assert ids.numel() == 304_986 and ids.numel() // 2048 == 148
+    res = perplexity(model, ids, 2048, max_windows=20)
+    assert res["windows"] == 20 and res["tokens"] == 20 * 2048
+    assert abs(res["ppl"] / 20.967 - 1) < 0.005, res["ppl"]
+
+
+def test_perplexity_matches_a_direct_computation():
+    model = tiny_model("llama", seed=7)
+    ids = torch.randint(0, 128, (3 * 32 + 5,), generator=torch.Generator().manual_seed(0))
+    res = perplexity(model, ids, seqlen=32)
+    assert res["windows"] == 3 and res["tokens"] == 96  # the remainder is dropped
+    nll = 0.0
+    for w in range(3):
+        x = ids[w * 32 : (w + 1) * 32]
+        logp = torch.log_softmax(model(x[None]).logits[0, :-1].float(), -1)
+        nll -= float(logp.gather(1, x[1:, None]).sum())
+    assert res["ppl"] == pytest.approx(float(torch.exp(torch.tensor(nll / (3 * 31)))), rel=1e-6)
+
+
+def test_perplexity_rejects_bad_arguments():
+    model = tiny_model("llama")
+    with pytest.raises(UserError, match="fewer than one"):
+        perplexity(model, torch.arange(10), seqlen=32)
+    with pytest.raises(UserError, match="--max-windows"):
+        perplexity(model, torch.arange(100) % 128, seqlen=32, max_windows=0)
+
+
+def test_fidelity_is_zero_against_itself_and_positive_against_a_quantized_copy():
+    from qoqtool.calibration.pipeline import quantize_model
+    from qoqtool.recipe import load_recipe
+
+    model = tiny_model("qwen2", seed=2)
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    same = fidelity(model, model, tokens)
+    assert same["kl"] == pytest.approx(0.0, abs=1e-6) and same["top1"] == 1.0
+    quant = tiny_model("qwen2", seed=2)
+    quantize_model(quant, load_recipe("rtn-w4a8kv4-g64"), tokens)
+    res = fidelity(model, quant, tokens)
+    assert res["kl"] > 1e-4 and res["top1"] < 1.0 and res["tokens"] == 2 * 23
+
+
+def test_synthetic_calibration_is_deterministic_for_a_seed():
+    model = tiny_model("llama", seed=3)
+    a = sample_synthetic(model, 3, 12, seed=5)
+    b = sample_synthetic(model, 3, 12, seed=5)
+    c = sample_synthetic(model, 3, 12, seed=6)
+    assert a.shape == (3, 12) and torch.equal(a, b) and not torch.equal(a, c)
+
+
+class _CharTokenizer:
+    """Enough of a tokenizer for the calibration builder: one id per character."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=False):
+        class Out:
+            input_ids = torch.tensor([[ord(c) % 128 for c in text]])
+
+        return Out()
+
+
+def test_calibration_from_local_files(tmp_path):
+    txt = tmp_path / "corpus.txt"
+    txt.write_text("hello world " * 100)
+    jl = tmp_path / "corpus.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": f"document {i} " * 20}) for i in range(20)))
+    for path in (txt, jl):
+        calib = build_calibration(str(path), _CharTokenizer(), 4, 16, seed=1)
+        assert calib.tokens.shape == (4, 16)
+        again = build_calibration(str(path), _CharTokenizer(), 4, 16, seed=1)
+        assert calib.sha256 == again.sha256
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"content": "no text field"}\n')
+    with pytest.raises(UserError, match='"text" field'):
+        build_calibration(str(bad), _CharTokenizer(), 1, 8)
+    with pytest.raises(UserError, match="only"):
+        build_calibration(str(txt), _CharTokenizer(), 1, 5000)
+
+
+def test_calibration_from_the_data_dir(shared_data):
+    calib = build_calibration("wikitext2", _CharTokenizer(), 2, 64, seed=0, data_dir=str(shared_data))
+    assert calib.tokens.shape == (2, 64) and calib.describe()["source"] == "wikitext2"
+
+
+def test_missing_data_dir_files_are_named(tmp_path):
+    with pytest.raises(UserError, match="wikitext-2-raw/wiki.valid.raw"):
+        build_calibration("wikitext2", _CharTokenizer(), 2, 64, data_dir=str(tmp_path))
