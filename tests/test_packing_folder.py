@@ -140,7 +140,8 @@ def test_tiny_qoq_recipes_pack_exactly(tmp_path, recipe):
 def test_manifest_and_files(tiny_folders):
     qdir, pdir = tiny_folders["prog-g32"]
     qman, man = fs.read_manifest(qdir), fs.read_manifest(pdir)
-    assert (man["format"], man["format_version"], man["float_dtype"]) == ("qoqtool-packed", 1, "float16")
+    assert (man["format"], man["format_version"], man["float_dtype"]) == ("qoqtool-packed", 2, "float16")
+    assert man["outliers"] is None
     assert man["recipe"] == qman["recipe"] and man["calibration"] == qman["calibration"]
     gate = man["linears"]["model.layers.0.mlp.gate_proj"]
     assert gate["shape"] == [72, 64] and gate["n_padded"] == 96 and gate["k_padded"] == 64
@@ -201,7 +202,7 @@ def _flipped_byte(d: Path):
 
 def _future_version(d: Path):
     man = fs.read_manifest(d)
-    man["format_version"] = 2
+    man["format_version"] = packed.FORMAT_VERSION + 1
     (d / "qoqtool.json").unlink()
     fs.write_manifest(d, man)
 
@@ -234,8 +235,8 @@ def test_damaged_folder_is_refused(tiny_folders, tmp_path, capsys, damage):
 
 def test_pack_refuses_bad_input(tiny_folders, tmp_path, capsys):
     qdir, pdir = tiny_folders["prog-g32"]
-    code, _, err = cli(capsys, "pack", str(qdir), "-o", str(tmp_path / "x"), "--outliers", "1%")
-    assert_one_line_error(code, err, "--outliers is not yet supported")
+    code, _, err = cli(capsys, "pack", str(qdir), "-o", str(tmp_path / "x"), "--outliers", "150%")
+    assert_one_line_error(code, err, "--outliers 150%")
     code, _, err = cli(capsys, "pack", str(qdir), "-o", str(pdir))
     assert_one_line_error(code, err, "already exists", "--overwrite")
     code, _, err = cli(capsys, "pack", str(pdir), "-o", str(tmp_path / "y"))

@@ -36,6 +36,24 @@ def _default_output(model: str, recipe: str) -> str:
     return f"{stem}-{Path(recipe).stem}"
 
 
+OUTLIERS_HELP = (
+    "Keep the most salient weights in fp16 beside the 4-bit codes: a share (1%, 0.5%), a count (5000) "
+    "or a gain threshold (t=1e-6)."
+)
+BUDGET_HELP = "How --outliers is shared: layer (the same share in every linear, the default) or global (by saliency)."
+
+
+def _outlier_budget(spec: str | None, scope: str | None):
+    """The parsed --outliers / --outliers-budget (None without --outliers); bad input is one line."""
+    if spec is None:
+        if scope is not None:
+            raise UserError("--outliers-budget needs --outliers (e.g. --outliers 1% --outliers-budget global)")
+        return None
+    from qoqtool.quantizers.outliers import parse_outliers
+
+    return parse_outliers(spec, scope or "layer")
+
+
 # ----------------------------------------------------------------------------------------
 @app.command()
 def quantize(
@@ -49,6 +67,13 @@ def quantize(
     data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="QOQTOOL_DATA_DIR", help="Local copies of the data sets (see README)."),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     batch_size: int = typer.Option(8, "--batch-size", help="Calibration sequences per forward pass."),
+    outliers: Optional[str] = typer.Option(None, "--outliers", help=OUTLIERS_HELP),
+    outliers_budget: Optional[str] = typer.Option(None, "--outliers-budget", help=BUDGET_HELP),
+    keep_float_weights: bool = typer.Option(
+        False, "--keep-float-weights",
+        help="Also keep each linear's fp16 weight before rounding, so that `qoqtool pack --outliers` can choose outliers "
+             "later for recipes with transforms (adds 2 bytes per weight to the folder).",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write a JSON summary to this file ('-' for stdout)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
@@ -56,13 +81,17 @@ def quantize(
     """Quantize MODEL with a recipe and write a folder of integer codes, scales and statistics.
 
     Calibration is layer by layer: one decoder layer on the device at a time, each layer
-    calibrated on the outputs of the already-quantized layers before it.
+    calibrated on the outputs of the already-quantized layers before it. With --outliers
+    the most salient weights are kept in fp16 beside the codes (chosen inside RTN, clipping
+    or GPTQ; `qoqtool pack` stores them in Tile-COO, docs/tile-coo.md).
 
     Examples:
 
       qoqtool quantize smollm2-135m -r rtn-w4a8kv4-g128 --calib synthetic -o smol-rtn
 
       qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g64 --calib wikitext2 --data-dir ../shared/data -o smol-qoq
+
+      qoqtool quantize smollm2-135m -r rtn-w4a16-g128 --calib wikitext2 --outliers 1% -o smol-rtn-1pct
     """
     from qoqtool.data.calibration import build_calibration, validate_args
     from qoqtool.packing import folder as fs
@@ -70,6 +99,7 @@ def quantize(
 
     t0 = time.perf_counter()
     rec = load_recipe(recipe)
+    budget = _outlier_budget(outliers, outliers_budget)
     validate_args(calib, calib_samples, calib_seqlen)
     if batch_size < 1:
         raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
@@ -97,7 +127,8 @@ def quantize(
         net.to(device)
     calibration = build_calibration(calib, tokenizer, calib_samples, calib_seqlen, seed, data_dir, model=net)
     with ui.progress_bar(f"quantize {rec.name}", enabled=not quiet) as bar:
-        result = quantize_model(net, rec, calibration.tokens, device=device, batch_size=batch_size, progress=bar)
+        result = quantize_model(net, rec, calibration.tokens, device=device, batch_size=batch_size, progress=bar,
+                                outliers=budget, keep_float_weights=keep_float_weights)
     path = quantized.save(result, tokenizer, output, model, {**calibration.describe(), "seed": seed}, overwrite)
 
     errors = [r["output_rel_error"] for r in result.layer_report.values()]
@@ -113,8 +144,13 @@ def quantize(
         "total_seconds": round(time.perf_counter() - t0, 1),
         "peak_memory_mib": round(_peak_memory_mib(), 1),
         "folder_mib": round(size / 2**20, 1),
+        "outliers": result.outliers,
+        "float_weights_kept": keep_float_weights,
         "notes": result.notes,
     }
+    kept = []
+    if result.outliers:
+        kept = [["fp16 outliers kept", f"{result.outliers['count']:,} ({100 * result.outliers['share']:.3f}%, {budget.describe()})"]]
     ui.table(
         f"quantized {model}",
         ["", "value"],
@@ -124,6 +160,7 @@ def quantize(
             ["calibration", f"{calib} {calib_samples}x{calib_seqlen} sha256 {calibration.sha256[:12]}"],
             ["linears quantized", summary["linears"]],
             ["mean output rel. error", summary["mean_output_rel_error"]],
+            *kept,
             ["quantize time (s)", summary["quantize_seconds"]],
             ["peak memory (MiB)", summary["peak_memory_mib"]],
             ["folder size (MiB)", summary["folder_mib"]],
@@ -214,24 +251,40 @@ def _check_model_argument(spec: str) -> None:
 def pack(
     quantized_dir: str = typer.Argument(..., help="A folder written by `qoqtool quantize`."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output folder [default: QUANTIZED_DIR-packed]."),
-    outliers: Optional[str] = typer.Option(None, "--outliers", help="Keep this share of weights as fp16 outliers, e.g. 1%."),
+    outliers: Optional[str] = typer.Option(
+        None, "--outliers",
+        help="Choose fp16 outliers now, for a folder quantized without them: " + OUTLIERS_HELP.removeprefix("Keep "),
+    ),
+    outliers_budget: Optional[str] = typer.Option(None, "--outliers-budget", help=BUDGET_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write the size report as JSON."),
 ):
     """Pack a quantized folder into the kernels' byte layout (see docs/format.md).
 
     Every linear is checked to unpack bit for bit to the quantized folder's codes, scales
-    and zeros before anything is written. Embeddings and norms are stored in fp16.
+    and zeros before anything is written. Embeddings and norms are stored in fp16. fp16
+    outliers (from `quantize --outliers`, or chosen here with --outliers) are stored in
+    Tile-COO (docs/tile-coo.md), each section checked to decode to what was encoded.
 
-    Example:
+    --outliers on a folder quantized without them uses its calibration statistics. RTN
+    folders are re-fitted without the outliers (what `quantize --outliers` writes); GPTQ or
+    clipped folders keep their codes and gain the weights with the largest error. The float
+    weights come from the folder (`quantize --keep-float-weights`), or, for recipes without
+    transforms, from the original model named in its manifest.
+
+    Examples:
 
       qoqtool pack smol-qoq -o smol-qoq-packed
+
+      qoqtool pack smol-rtn-w4a16 -o smol-rtn-w4a16-1pct --outliers 1%
     """
     from qoqtool.cli.info import print_size_report
     from qoqtool.packing.packed import pack_folder
 
-    report = pack_folder(quantized_dir, output or f"{quantized_dir.rstrip('/')}-packed", outliers, overwrite)
+    budget = _outlier_budget(outliers, outliers_budget)
+    report = pack_folder(quantized_dir, output or f"{quantized_dir.rstrip('/')}-packed", budget, overwrite)
     print_size_report(report)
+    ui.err.print(f"packed in {report['seconds']['total']:.1f} s")
     ui.write_json(json_out, report)
 
 

@@ -58,9 +58,34 @@ def folder_report(path: str) -> dict:
         "stored_weights": stored,
         "bits_per_stored_weight": bits / max(stored, 1),
         "bits_per_weight": bits / max(logical, 1),
+        "outliers": manifest.get("outliers"),
+        "float_weights_kept": _kept_float_weights(manifest),
         "files": files,
         "created": manifest.get("created"),
     }
+
+
+def _kept_float_weights(manifest: dict) -> bool:
+    """Whether a quantized folder kept its weights before rounding (--keep-float-weights)."""
+    from qoqtool.packing.quantized import FLOAT_WEIGHTS_FILE
+
+    return FLOAT_WEIGHTS_FILE in manifest.get("files", {})
+
+
+def _describe_outliers(o: dict | None) -> str:
+    """One line: how many outliers, from which budget, chosen where."""
+    if not o:
+        return "none"
+    budget = o.get("budget", o)  # a quantized folder's record is the budget itself
+    if budget.get("kind") == "fraction":
+        asked = f"{100 * budget['value']:g}%"
+    elif budget.get("kind") == "count":
+        asked = f"{int(budget['value']):,}"
+    else:
+        asked = f"gain > {budget.get('value')}"
+    where = f", chosen by {o['chosen_by']}" if o.get("chosen_by") else ""
+    refit = " (grids re-fitted)" if o.get("refit") else ""
+    return f"{o.get('count', 0):,} fp16 ({100 * o.get('share', 0):.3f}%; budget {asked} {budget.get('scope', '')}{where}{refit})"
 
 
 def _describe_weights(w: dict) -> str:
@@ -80,7 +105,10 @@ def print_folder_report(report: dict) -> None:
         ["steps", ", ".join(next(iter(s)) for s in recipe.get("steps", [])) or "round to nearest"],
         ["calibration", f"{calib.get('source')} {calib.get('samples')}x{calib.get('seqlen')}" if calib else "-"],
         ["quantized linears", f"{report['linears']} {report['formats']}"],
+        ["outliers", _describe_outliers(report.get("outliers"))],
     ]
+    if report.get("float_weights_kept"):
+        rows.append(["float weights", "kept (pack --outliers can choose outliers)"])
     if "size" not in report:  # packed folders show these, with their counts, in the size table
         rows.append(["bits / stored weight", report["bits_per_stored_weight"]])
         rows.append(["bits / weight (logical)", report["bits_per_weight"]])
@@ -108,6 +136,7 @@ def print_size_report(report: dict) -> None:
         ["bits / stored weight", f"{size['bits_per_stored_weight']:.4f} ({size['stored_weights']:,} stored, K padded)"],
         ["bits / weight", f"{size['bits_per_weight']:.4f} ({size['quantized_weights']:,} weights)"],
     ]
+    rows += _outlier_rows(report.get("outliers"), size)
     for k, row in size["padding_by_in_features"].items():
         if row["k_padded"] != int(k):
             share = f"+{100 * row['padding_share']:.1f}% stored weights in {row['linears']} linears"
@@ -120,3 +149,19 @@ def print_size_report(report: dict) -> None:
         ["same model in fp16", f"{_mib(size['fp16_bytes'])} ({ratio:.2f}x larger)"],
     ]
     ui.table(f"size of {report['path']}", ["", "value"], rows)
+
+
+def _outlier_rows(outliers: dict | None, size: dict) -> list[list[str]]:
+    """Tile-COO's cost: bits per outlier (metadata and padding included) against CSR, and
+    bits per weight dense-only and dense + outliers."""
+    if not outliers:
+        return []
+    st = outliers["storage"]
+    return [
+        ["outliers (Tile-COO)", f"{_mib(size['linear_bytes']['outliers'])}, {st['outliers']:,} fp16 weights "
+                                f"({100 * st['share']:.3f}%)"],
+        ["bits / outlier", f"{st['bits_per_outlier']:.2f} Tile-COO (padding {100 * st['padding_share']:.1f}% of slots), "
+                           f"{st['csr16_bits_per_outlier']:.2f} as CSR (16-bit indices)"],
+        ["bits / weight + outliers", f"{st['bits_per_weight_with_outliers']:.4f} (dense only {st['bits_per_weight_dense']:.4f}; "
+                                     f"with CSR {st['bits_per_weight_with_csr16']:.4f})"],
+    ]

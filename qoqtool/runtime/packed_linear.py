@@ -7,8 +7,11 @@ docs/format.md), so `load_state_dict` fills it straight from the file. The forwa
     otherwise (or no kernel for   unpack once into the quantized weight and run the exact
     this format)                  reference path, `QuantLinear`, on x's device
 
-The reference path sees bit for bit the weight `qoqtool quantize` wrote, so a packed
-model on the CPU computes exactly what its quantized folder computes.
+A linear with fp16 outliers also holds their Tile-COO section (docs/tile-coo.md) as the
+buffers tc_entries, tc_start, tc_count; the reference path decodes it once and applies
+exactly what `QuantLinear` applies. The reference path sees bit for bit the weight (and
+outliers) `qoqtool quantize` wrote, so a packed model on the CPU computes exactly what its
+quantized folder computes.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import warnings
 import torch
 from torch import nn
 
+from qoqtool.packing import tile_coo
 from qoqtool.packing.layout import PackedLayout
 from qoqtool.quantizers.formats import QuantizedWeight
+from qoqtool.quantizers.outliers import SparseOutliers
 from qoqtool.runtime.reference import QuantLinear
 
+TILE_COO_BUFFERS = ("tc_entries", "tc_start", "tc_count")  # a linear's outliers, if it has any
 _kernel_ops = None  # qoqtool.runtime.cuda_ops once loaded; False when the kernels are unavailable
 
 
@@ -44,7 +50,7 @@ class PackedLinear(nn.Module):
     """A quantized linear stored packed; attributes and buffers per docs/format.md."""
 
     def __init__(self, layout: PackedLayout, tensors: dict[str, torch.Tensor], act_bits: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, outliers: tile_coo.TileCOO | None = None):
         super().__init__()
         if act_bits not in (8, 16):
             raise ValueError(f"activations are INT8 (8) or unquantized (16), not {act_bits}")
@@ -58,24 +64,52 @@ class PackedLinear(nn.Module):
         for name in layout.spec():
             self.register_buffer(name, tensors[name])
         self.register_buffer("bias", bias)
+        self.has_outliers = outliers is not None
+        if outliers is not None:
+            if outliers.shape != (layout.out_features, layout.in_features) or outliers.k_padded != layout.k_padded:
+                raise ValueError(f"a Tile-COO section of {outliers.shape} (K padded {outliers.k_padded}) does not fit {layout}")
+            for name, t in outliers.tensors().items():
+                self.register_buffer(name, t)
         self.use_kernels = True  # cleared when the kernels have no path for this format
 
     @classmethod
-    def pack(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_bits: int) -> "PackedLinear":
+    def pack(cls, weight: QuantizedWeight, bias: torch.Tensor | None, act_bits: int,
+             outliers: SparseOutliers | None = None) -> "PackedLinear":
+        """Pack a quantized weight, and its outliers (natural coordinates) into Tile-COO
+        with the packed K (dense columns are not permuted: perm is the identity)."""
         layout = PackedLayout.of(weight)
-        return cls(layout, layout.pack(weight), act_bits, bias)
+        section = None if outliers is None else tile_coo.encode(outliers, layout.k_padded)
+        return cls(layout, layout.pack(weight), act_bits, bias, section)
 
     @classmethod
     def empty(cls, layout: PackedLayout, act_bits: int, bias_dtype: torch.dtype | None,
-              device: str | torch.device = "meta") -> "PackedLinear":
-        """Uninitialised buffers of the right shapes (filled later by load_state_dict)."""
-        tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in layout.spec().items()}
+              outlier_entries: int | None = None, device: str | torch.device = "meta") -> "PackedLinear":
+        """Uninitialised buffers of the right shapes (filled later by load_state_dict);
+        outlier_entries: the Tile-COO entries of a linear with outliers (None: none)."""
+        spec = cls.spec_of(layout, outlier_entries)
+        tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in spec.items()}
         bias = None if bias_dtype is None else torch.empty(layout.out_features, dtype=bias_dtype, device=device)
-        return cls(layout, tensors, act_bits, bias)
+        section = None
+        if outlier_entries is not None:
+            entries, start, count = (tensors.pop(name) for name in TILE_COO_BUFFERS)
+            section = tile_coo.TileCOO(entries, start, count, (layout.out_features, layout.in_features), layout.k_padded)
+        return cls(layout, tensors, act_bits, bias, section)
+
+    @staticmethod
+    def spec_of(layout: PackedLayout, outlier_entries: int | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every buffer but the bias: the layout's, then Tile-COO's."""
+        spec = dict(layout.spec())
+        if outlier_entries is not None:
+            nb = tile_coo.buckets_of(layout.out_features, layout.k_padded)
+            spec["tc_entries"] = ((outlier_entries, tile_coo.ENTRY_BYTES), torch.uint8)
+            spec["tc_start"] = (nb, torch.int32)
+            spec["tc_count"] = (nb, torch.int32)
+        return spec
 
     def extra_repr(self) -> str:
         group = f"g{self.group_size}" if self.group_size else "per-channel"
-        return f"{self.in_features} -> {self.out_features}, packed {self.kind} {group}, a{self.act_bits}"
+        extra = f", outliers in {self.tc_entries.shape[0]} Tile-COO entries" if self.has_outliers else ""
+        return f"{self.in_features} -> {self.out_features}, packed {self.kind} {group}, a{self.act_bits}{extra}"
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.layout.spec()}
@@ -83,11 +117,29 @@ class PackedLinear(nn.Module):
     def unpacked(self) -> QuantizedWeight:
         return self.layout.unpack(self.packed_tensors())
 
+    def outlier_section(self) -> tile_coo.TileCOO | None:
+        """The outliers' Tile-COO section (on the CPU), or None for a linear without outliers."""
+        if not self.has_outliers:
+            return None
+        entries, start, count = (getattr(self, name).cpu() for name in TILE_COO_BUFFERS)
+        return tile_coo.TileCOO(entries, start, count, (self.out_features, self.in_features), self.k_padded)
+
+    def sparse(self) -> SparseOutliers | None:
+        """The outliers in natural coordinates (validated and decoded once, cached on the
+        buffers' device), or None."""
+        if not self.has_outliers:
+            return None
+        found = self.__dict__.get("_sparse")
+        if found is None:
+            found = tile_coo.decode(self.outlier_section()).to(self.tc_entries.device)
+            self.__dict__["_sparse"] = found  # a cache: dropped by _apply below
+        return found
+
     def reference(self) -> QuantLinear:
         """The exact reference module, unpacked once and cached on the buffers' device."""
         ref = self.__dict__.get("_reference")
         if ref is None:
-            ref = QuantLinear(self.unpacked(), self.bias, self.act_bits)
+            ref = QuantLinear(self.unpacked(), self.bias, self.act_bits, outliers=self.sparse())
             # A cache, not a child module: kept out of state_dict(), dropped by _apply below.
             self.__dict__["_reference"] = ref
         return ref
@@ -101,6 +153,7 @@ class PackedLinear(nn.Module):
             if self._buffers[name].dtype != dtype:
                 self._buffers[name] = self._buffers[name].to(dtype)
         self.__dict__.pop("_reference", None)
+        self.__dict__.pop("_sparse", None)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +161,21 @@ class PackedLinear(nn.Module):
             ops = _kernels()
             if ops is not None:
                 try:
-                    return ops.packed_linear_forward(self, x)
+                    y = ops.packed_linear_forward(self, x)
+                    return y if not self.has_outliers else y + self._sparse_term(ops, x).to(y.dtype)
                 except NotImplementedError:
                     self.use_kernels = False  # no kernel for this format: reference path from now on
         return self.reference()(x)
+
+    def _sparse_term(self, ops, x: torch.Tensor) -> torch.Tensor:
+        """The outliers' product on CUDA, in torch, after the dense kernel.
+
+        STOPGAP until the fused Tile-COO kernel exists (a later issue): a separate sparse
+        matmul that reloads the activations - the cost Tile-COO is designed to avoid. It
+        multiplies the INT8 codes of the dense kernel's own quantizer (cached, so usually
+        not computed twice) and applies the token scale last, as `QuantLinear` does.
+        Tested only on a GPU (tests/test_packing_outliers.py, `gpu` mark).
+        """
+        x_q, x_scale, _ = ops._quantized_input(x, self.k_padded)
+        y = self.sparse().matmul(x_q[:, : self.in_features].float()) * x_scale.float()[:, None]
+        return y.reshape(*x.shape[:-1], self.out_features)
