@@ -100,3 +100,17 @@ def test_smooth_attention_scales_are_rope_tied():
     lam = attention_scales(amax, 0.5)
     assert torch.equal(lam[:, :32], lam[:, 32:])
     assert torch.all(lam >= amax.double().pow(0.5) - 1e-12)
+
+
+@pytest.mark.parametrize("hidden, heads, named", [(100, 2, "hidden size 100"), (60, 2, "head_dim 30")])
+def test_rotation_refuses_sizes_without_hadamard(hidden, heads, named):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=128, hidden_size=hidden, intermediate_size=128,
+                                  num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=1)
+    config.architectures = ["LlamaForCausalLM"]
+    model = AutoModelForCausalLM.from_config(config).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UserError, match=named):
+        quantize_model(model, load_recipe("qoq-w4a8kv4-g128"), torch.randint(0, 128, (2, 16)))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing touched

@@ -27,7 +27,8 @@ import torch
 
 from qoqtool.calibration.steps import register_step
 from qoqtool.models.adapter import ModelAdapter
-from qoqtool.transforms.hadamard import random_hadamard
+from qoqtool.errors import UserError
+from qoqtool.transforms.hadamard import decompose, random_hadamard
 
 
 @dataclass
@@ -84,8 +85,24 @@ def rotate_values(adapter: ModelAdapter, seed: int) -> None:
         _set(p.o_proj, torch.einsum("nhd,de->nhe", wo, h).reshape(-1, heads * d))
 
 
+def check_sizes(adapter: ModelAdapter, params: RotateParams) -> None:
+    """Refuse, before touching any weight, a size that has no Hadamard matrix."""
+    hint = "(Hadamard orders are 2^a times a Paley order such as 12, 20, 28, 36, 44, 60)"
+    if decompose(adapter.hidden_size) is None:
+        raise UserError(
+            f"this model's hidden size {adapter.hidden_size} has no Hadamard rotation {hint}; "
+            "use a recipe without the rotate step (e.g. rtn-w4a8kv4-g128) or remove it from your recipe"
+        )
+    if params.value_hadamard and decompose(adapter.head_dim) is None:
+        raise UserError(
+            f"this model's head_dim {adapter.head_dim} has no Hadamard rotation {hint}; "
+            "set `rotate: {value_hadamard: false}` in the recipe"
+        )
+
+
 @torch.no_grad()
 def rotate_model(adapter: ModelAdapter, params: RotateParams, notes: list[str]) -> None:
+    check_sizes(adapter, params)
     if adapter.untie_embeddings():
         notes.append("rotate: untied the input embeddings from lm_head (they now differ)")
     fold_all_norms(adapter)
