@@ -41,7 +41,7 @@ def _transform_recipe(steps):
 
 
 ALL_STEPS = [
-    {"rotate": {"value_hadamard": True}},
+    {"rotate": {"value_hadamard": True, "key_hadamard": True}},
     {"smooth_attention": {"alpha": 0.5}},
     {"smooth_output": {"grid": 4}},
     {"reorder": {}},
@@ -114,3 +114,23 @@ def test_rotation_refuses_sizes_without_hadamard(hidden, heads, named):
     with pytest.raises(UserError, match=named):
         quantize_model(model, load_recipe("qoq-w4a8kv4-g128"), torch.randint(0, 128, (2, 16)))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing touched
+
+
+def test_key_rotation_runs_in_attention_and_changes_only_the_quantized_keys():
+    """key_hadamard is exact in float and changes what the 4-bit cache stores."""
+    from qoqtool.runtime.attention import enable_kv_quantization
+
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for keys in (False, True):
+        model = tiny_model("llama", seed=6)
+        recipe = _transform_recipe([{"rotate": {"value_hadamard": False, "key_hadamard": keys}}])
+        quantize_model(model, recipe, tokens, transform_only=True)
+        for bits in (16, 4):
+            enable_kv_quantization(model, bits)
+            with torch.no_grad():
+                logits[keys, bits] = model(tokens, use_cache=False).logits.double()
+        assert all(hasattr(m, "qoq_key_rotation") == keys for m in model.modules() if hasattr(m, "k_proj"))
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(logits[True, 16], logits[False, 16]) < 1e-5
+    assert rel(logits[True, 4], logits[False, 4]) > 1e-4

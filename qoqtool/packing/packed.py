@@ -290,7 +290,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
     """
     from transformers import AutoConfig
 
-    from qoqtool.runtime.attention import enable_kv_quantization
+    from qoqtool.runtime.attention import configure_attention
     from qoqtool.runtime.loading import build_empty_model, finish_loading
 
     path = Path(path)
@@ -321,7 +321,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
     for name in entries:
         _check_tile_coo(tensors, name, manifest["linears"][name], file)
     model = finish_loading(model, tensors, device)
-    enable_kv_quantization(model, int(manifest["recipe"]["kv_cache"]["bits"]))
+    configure_attention(model, manifest["recipe"])
     return model
 
 

@@ -4,6 +4,9 @@ We register one attention function, "qoqtool", that quantizes K (after RoPE, as 
 hands it over) and V per token and per KV head, then calls the ordinary SDPA attention.
 Each attention module says how many KV bits it uses in its `qoq_kv_bits` attribute
 (16: no quantization); calibration may set `qoq_observer(key, value)` to watch K and V.
+A recipe may also rotate the post-RoPE queries and keys of every head by a Hadamard matrix
+(`qoq_key_rotation`) before the keys are quantized; `configure_attention` sets both up
+from a saved recipe.
 
 Why re-quantizing the whole K/V on every call is exact: the quantization is per token, so
 quantizing [cache; new] equals [quantized cache; quantized new]. The transformers cache
@@ -26,6 +29,9 @@ def qoq_attention(module, query, key, value, attention_mask, **kwargs):
     observer = getattr(module, "qoq_observer", None)
     if observer is not None:  # calibration statistics of post-RoPE K and V
         observer(key, value)
+    rotation = getattr(module, "qoq_key_rotation", None)
+    if rotation is not None:  # online Hadamard: q.k unchanged, K's outlier channels spread
+        query, key = rotate_queries_and_keys(rotation, query, key)
     bits = getattr(module, "qoq_kv_bits", 16)
     if bits < 16:
         key = fake_quantize_kv(key, bits)
@@ -48,6 +54,39 @@ def register() -> str:
             pass
         _registered = True
     return ATTENTION_NAME
+
+
+def rotate_queries_and_keys(rotation: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+    """q H and k H per head (post-RoPE, [..., head_dim]): orthogonal H keeps every q.k."""
+    r = rotation.to(query.device, query.dtype)
+    return query @ r, key @ r
+
+
+def enable_key_rotation(model, head_dim: int, seed: int) -> None:
+    """Rotate every layer's post-RoPE queries and keys by one seeded random Hadamard matrix
+    of order head_dim (the `key_hadamard` option of the rotate step), so that the KV cache
+    stores rotated keys. RoPE does not commute with a dense rotation, so this one runs
+    online, after RoPE: a head_dim x head_dim product per head and token."""
+    from qoqtool.transforms.hadamard import random_hadamard
+
+    rotation = random_hadamard(head_dim, seed).float()
+    for module in model.modules():
+        if hasattr(module, "k_proj") and hasattr(module, "o_proj"):
+            module.qoq_key_rotation = rotation
+
+
+def configure_attention(model, recipe: dict) -> None:
+    """Attention as a saved recipe (manifest form) runs it: KV-cache bits, key rotation."""
+    enable_kv_quantization(model, int(recipe["kv_cache"]["bits"]))
+    rotate = next((step["rotate"] for step in recipe.get("steps", []) if "rotate" in step), None)
+    if rotate and rotate.get("key_hadamard"):
+        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        enable_key_rotation(model, head_dim, key_rotation_seed(rotate.get("seed", 0)))
+
+
+def key_rotation_seed(seed: int) -> int:
+    """The key rotation's seed from the rotate step's (the residual uses seed, V seed + 1)."""
+    return seed + 2
 
 
 def enable_kv_quantization(model, bits: int) -> None:

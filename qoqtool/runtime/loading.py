@@ -63,7 +63,7 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
 
     from qoqtool.packing import quantized
     from qoqtool.packing.packed import fp16_rounded
-    from qoqtool.runtime.attention import enable_kv_quantization
+    from qoqtool.runtime.attention import configure_attention
     from qoqtool.runtime.reference import QuantLinear
 
     quantized.check_manifest(manifest, str(path))
@@ -81,7 +81,7 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
         act_bits = manifest["linears"][name]["act_bits"]
         setattr(parent, attr, QuantLinear(qweight, bias, act_bits, outliers=outliers.get(name)))
     model = finish_loading(model, tensors, device)
-    enable_kv_quantization(model, int(manifest["recipe"]["kv_cache"]["bits"]))
+    configure_attention(model, manifest["recipe"])
     return model
 
 

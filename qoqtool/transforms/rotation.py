@@ -15,6 +15,12 @@ rotated per head too (v' = v H_d, o_proj's per-head input columns rotated back):
 attention output is a convex combination of V rows, so this is exact, and it spreads V's
 outliers before the 4-bit KV cache sees them.
 
+Keys cannot be rotated offline: RoPE, applied between k_proj and the cache, does not commute
+with a dense rotation. With key_hadamard the post-RoPE queries and keys of every head are
+rotated at run time by one Hadamard H (q H (k H)^T = q k^T, so this is exact too), which
+spreads K's outlier channels before the 4-bit cache, as QuaRot does; it is not part of
+QServe's QoQ, whose answer to K's outliers is SmoothAttention alone.
+
 Tied embeddings cannot stay tied (E and lm_head change differently): they are untied and
 the manifest says so.
 """
@@ -28,6 +34,7 @@ import torch
 from qoqtool.calibration.steps import register_step
 from qoqtool.models.adapter import ModelAdapter
 from qoqtool.errors import UserError
+from qoqtool.runtime.attention import enable_key_rotation, key_rotation_seed
 from qoqtool.transforms.hadamard import decompose, random_hadamard
 
 
@@ -35,6 +42,7 @@ from qoqtool.transforms.hadamard import decompose, random_hadamard
 class RotateParams:
     seed: int = 0  # signs of the random Hadamard matrix
     value_hadamard: bool = True  # also rotate V per head (o_proj inputs rotated back)
+    key_hadamard: bool = False  # also rotate post-RoPE Q and K per head, online (not in QServe)
 
 
 def _set(linear, weight: torch.Tensor) -> None:
@@ -93,10 +101,10 @@ def check_sizes(adapter: ModelAdapter, params: RotateParams) -> None:
             f"this model's hidden size {adapter.hidden_size} has no Hadamard rotation {hint}; "
             "use a recipe without the rotate step (e.g. rtn-w4a8kv4-g128) or remove it from your recipe"
         )
-    if params.value_hadamard and decompose(adapter.head_dim) is None:
+    if (params.value_hadamard or params.key_hadamard) and decompose(adapter.head_dim) is None:
         raise UserError(
             f"this model's head_dim {adapter.head_dim} has no Hadamard rotation {hint}; "
-            "set `rotate: {value_hadamard: false}` in the recipe"
+            "set `rotate: {value_hadamard: false, key_hadamard: false}` in the recipe"
         )
 
 
@@ -118,6 +126,9 @@ def rotate_model(adapter: ModelAdapter, params: RotateParams, notes: list[str]) 
     _rotate_input(adapter.lm_head, q)
     if params.value_hadamard:
         rotate_values(adapter, params.seed)
+    if params.key_hadamard:
+        enable_key_rotation(adapter.model, adapter.head_dim, key_rotation_seed(params.seed))
+        notes.append(f"rotate: post-RoPE queries and keys rotated online by a Hadamard of order {adapter.head_dim}")
     notes.append(f"rotate: residual stream rotated by a random Hadamard of order {adapter.hidden_size} (seed {params.seed})")
 
 
