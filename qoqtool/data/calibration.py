@@ -11,6 +11,7 @@ Windows are cut at seeded random offsets from the concatenated text, GPTQ-style.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,9 +109,11 @@ def _sample(model, prefix: torch.Tensor, seqlen: int, gen: torch.Generator, top_
 
     tokens = prefix
     cache = DynamicCache()
+    # newer transformers name the cache argument `cache` (and warn about the old name)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     step_input = prefix
     while tokens.shape[1] < seqlen:
-        logits = model(step_input, past_key_values=cache, use_cache=True).logits[:, -1].float()
+        logits = model(step_input, use_cache=True, **{cache_arg: cache}).logits[:, -1].float()
         probs = torch.softmax(logits, dim=-1)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # smallest prefix reaching top_p
