@@ -125,6 +125,16 @@ def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+def load_verified(path: str | os.PathLike, records: dict[str, dict], missing: str) -> dict[str, torch.Tensor]:
+    """A safetensors file the manifest lists, read and checked against its records;
+    `missing` is the one-line error when the file is not there."""
+    if not Path(path).is_file():
+        raise UserError(missing)
+    tensors = load_tensors(path)
+    verify_checksums(tensors, records, str(path))
+    return tensors
+
+
 def verify_checksums(tensors: dict[str, torch.Tensor], expected: dict[str, dict], where: str) -> None:
     """Compare each tensor's sha256 (and shape, dtype) with the manifest's record."""
     missing = sorted(set(expected) - set(tensors))

@@ -302,10 +302,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
     packed_names = _install_packed_linears(model, manifest["linears"], entries, where, dtype)
 
     file = path / WEIGHTS_FILE
-    if not file.is_file():
-        raise UserError(f"{where} has no {WEIGHTS_FILE}; re-pack the folder")
-    tensors = fs.load_tensors(file)
-    fs.verify_checksums(tensors, manifest["files"][WEIGHTS_FILE], str(file))
+    tensors = fs.load_verified(file, manifest["files"][WEIGHTS_FILE], f"{where} has no {WEIGHTS_FILE}; re-pack the folder")
     expected = {name: (t.shape, t.dtype) for name, t in model.state_dict().items()}
     for name, t in list(tensors.items()):
         if name not in expected:

@@ -119,11 +119,8 @@ def load_weights(folder: str | Path, manifest: dict) -> tuple[dict[str, Quantize
     Returns (quantized weights by linear name, remaining float tensors by state-dict name).
     """
     folder = Path(folder)
-    path = folder / WEIGHTS_FILE
-    if not path.is_file():
-        raise UserError(f"{folder} has no {WEIGHTS_FILE}; re-create the folder")
-    tensors = fs.load_tensors(path)
-    fs.verify_checksums(tensors, manifest["files"][WEIGHTS_FILE], str(path))
+    tensors = fs.load_verified(folder / WEIGHTS_FILE, manifest["files"][WEIGHTS_FILE],
+                               f"{folder} has no {WEIGHTS_FILE}; re-create the folder")
     weights = {}
     for name, meta in manifest["linears"].items():
         prefix = f"{name}."
@@ -133,12 +130,8 @@ def load_weights(folder: str | Path, manifest: dict) -> tuple[dict[str, Quantize
 
 
 def load_stats(folder: str | Path, manifest: dict) -> dict[str, torch.Tensor]:
-    path = Path(folder) / STATS_FILE
-    if not path.is_file():
-        raise UserError(f"{folder} has no {STATS_FILE}; re-run qoqtool quantize")
-    tensors = fs.load_tensors(path)
-    fs.verify_checksums(tensors, manifest["files"][STATS_FILE], str(path))
-    return tensors
+    return fs.load_verified(Path(folder) / STATS_FILE, manifest["files"][STATS_FILE],
+                            f"{folder} has no {STATS_FILE}; re-run qoqtool quantize")
 
 
 def outlier_tensors(model) -> dict[str, torch.Tensor]:
@@ -160,10 +153,8 @@ def load_outliers(folder: str | Path, manifest: dict) -> dict:
     if OUTLIERS_FILE not in manifest.get("files", {}):
         return {}
     path = Path(folder) / OUTLIERS_FILE
-    if not path.is_file():
-        raise UserError(f"{folder} has no {OUTLIERS_FILE} though its manifest lists it; re-create the folder")
-    tensors = fs.load_tensors(path)
-    fs.verify_checksums(tensors, manifest["files"][OUTLIERS_FILE], str(path))
+    tensors = fs.load_verified(path, manifest["files"][OUTLIERS_FILE],
+                               f"{folder} has no {OUTLIERS_FILE} though its manifest lists it; re-create the folder")
     found = {}
     for name, meta in manifest["linears"].items():
         own = {k: tensors[f"{name}.{k}"] for k in ("outlier_rows", "outlier_cols", "outlier_values") if f"{name}.{k}" in tensors}
@@ -184,10 +175,9 @@ def load_float_weights(folder: str | Path, manifest: dict) -> dict[str, torch.Te
     """
     from qoqtool.calibration.steps import STEPS
 
-    path = Path(folder) / FLOAT_WEIGHTS_FILE
     if FLOAT_WEIGHTS_FILE in manifest.get("files", {}):
-        tensors = fs.load_tensors(path)
-        fs.verify_checksums(tensors, manifest["files"][FLOAT_WEIGHTS_FILE], str(path))
+        tensors = fs.load_verified(Path(folder) / FLOAT_WEIGHTS_FILE, manifest["files"][FLOAT_WEIGHTS_FILE],
+                                   f"{folder} has no {FLOAT_WEIGHTS_FILE} though its manifest lists it; re-create the folder")
         return {name: tensors[f"{name}.weight"] for name in manifest["linears"]}
     steps = [next(iter(step)) for step in manifest.get("recipe", {}).get("steps", [])]
     transforms = [s for s in steps if s not in STEPS or STEPS[s].phase != "solver"]
