@@ -56,9 +56,14 @@ def register() -> str:
     return ATTENTION_NAME
 
 
+def attention_modules(model):
+    """The attention modules of a Llama-family model (those with k_proj and o_proj)."""
+    return [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "o_proj")]
+
+
 def rotate_queries_and_keys(rotation: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
     """q H and k H per head (post-RoPE, [..., head_dim]): orthogonal H keeps every q.k."""
-    r = rotation.to(query.device, query.dtype)
+    r = rotation.to(query.device, query.dtype)  # no-op: the buffer moves with its module
     return query @ r, key @ r
 
 
@@ -69,19 +74,21 @@ def enable_key_rotation(model, head_dim: int, seed: int) -> None:
     online, after RoPE: a head_dim x head_dim product per head and token."""
     from qoqtool.transforms.hadamard import random_hadamard
 
-    rotation = random_hadamard(head_dim, seed).float()
-    for module in model.modules():
-        if hasattr(module, "k_proj") and hasattr(module, "o_proj"):
-            module.qoq_key_rotation = rotation
+    rotation = random_hadamard(head_dim, seed).float().to(model.get_input_embeddings().weight.device)
+    for module in attention_modules(model):
+        # A non-persistent buffer: it follows the module between devices (calibration moves
+        # one layer at a time) and stays out of the state dict; the recipe recreates it.
+        module.register_buffer("qoq_key_rotation", rotation, persistent=False)
 
 
 def configure_attention(model, recipe: dict) -> None:
     """Attention as a saved recipe (manifest form) runs it: KV-cache bits, key rotation."""
+    from qoqtool.models.adapter import ModelAdapter
+
     enable_kv_quantization(model, int(recipe["kv_cache"]["bits"]))
     rotate = next((step["rotate"] for step in recipe.get("steps", []) if "rotate" in step), None)
     if rotate and rotate.get("key_hadamard"):
-        head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-        enable_key_rotation(model, head_dim, key_rotation_seed(rotate.get("seed", 0)))
+        enable_key_rotation(model, ModelAdapter(model).head_dim, key_rotation_seed(rotate.get("seed", 0)))
 
 
 def key_rotation_seed(seed: int) -> int:
@@ -92,7 +99,6 @@ def key_rotation_seed(seed: int) -> int:
 def enable_kv_quantization(model, bits: int) -> None:
     """Route every attention layer of `model` through qoq_attention with `bits`-bit K/V."""
     name = register()
-    for module in model.modules():
-        if hasattr(module, "k_proj") and hasattr(module, "o_proj"):
-            module.qoq_kv_bits = bits
+    for module in attention_modules(model):
+        module.qoq_kv_bits = bits
     model.set_attn_implementation(name)

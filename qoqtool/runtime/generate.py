@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from qoqtool.models.adapter import ModelAdapter
-from qoqtool.runtime.attention import rotate_queries_and_keys
+from qoqtool.runtime.attention import attention_modules, rotate_queries_and_keys
 from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache, pages_needed
 
 DEFAULT_PROMPTS = (
@@ -53,7 +53,7 @@ class Generation:
 
 def model_kv_bits(model) -> int:
     """The KV-cache bits the model's attention layers use (qoq_kv_bits; 16 when unset)."""
-    bits = {getattr(m, "qoq_kv_bits", 16) for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "o_proj")}
+    bits = {getattr(m, "qoq_kv_bits", 16) for m in attention_modules(model)}
     if len(bits) != 1:
         raise ValueError(f"attention layers disagree on their KV-cache bits: {sorted(bits)}")
     return bits.pop()
