@@ -52,10 +52,11 @@ def tiny_qwen2():
     return model
 
 
-def quantize_to(model, recipe, out: Path, tokens: torch.Tensor, tokenizer=None, source="tiny") -> Path:
+def quantize_to(model, recipe, out: Path, tokens: torch.Tensor, tokenizer=None, source="tiny", **options) -> Path:
+    """Quantize (options go to quantize_model) and save the folder."""
     from qoqtool.calibration.pipeline import quantize_model
 
-    result = quantize_model(model, recipe, tokens)
+    result = quantize_model(model, recipe, tokens, **options)
     return quantized.save(result, tokenizer, str(out), source, {"source": "test", "samples": tokens.shape[0]})
 
 

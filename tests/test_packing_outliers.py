@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_packing_folder import WEIGHTS, _copy, adhoc_recipe, assert_one_line_error, assert_round_trip, cli, tiny_qwen2
+from test_packing_folder import quantize_to as quantize_folder
 
 from qoqtool.errors import UserError
 from qoqtool.packing import folder as fs
@@ -28,11 +29,9 @@ IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
 
 def quantize_to(model, recipe, out: Path, outliers=None, keep_float_weights=False, tokenizer=None, source="tiny",
                 tokens=TOKENS) -> Path:
-    from qoqtool.calibration.pipeline import quantize_model
-
     budget = None if outliers is None else parse_outliers(*outliers)
-    result = quantize_model(model, recipe, tokens, outliers=budget, keep_float_weights=keep_float_weights)
-    return quantized.save(result, tokenizer, str(out), source, {"source": "test", "samples": tokens.shape[0]})
+    return quantize_folder(model, recipe, out, tokens, tokenizer, source, outliers=budget,
+                           keep_float_weights=keep_float_weights)
 
 
 def logits(folder: Path, ids=IDS) -> torch.Tensor:
