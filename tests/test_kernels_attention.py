@@ -209,12 +209,16 @@ def test_memcheck_case(ops):
 
 
 # ---- generation ---------------------------------------------------------------------------------
-def test_generation_on_gpu_agrees_with_the_cpu_reference(ops):
-    from qoqtool.runtime.attention import enable_kv_quantization
+@pytest.mark.parametrize("key_rotation", [False, True], ids=["plain", "key-rotation"])
+def test_generation_on_gpu_agrees_with_the_cpu_reference(ops, key_rotation):
+    from qoqtool.models.adapter import ModelAdapter
+    from qoqtool.runtime.attention import enable_key_rotation, enable_kv_quantization
     from qoqtool.runtime.generate import explain, generate_paged, generate_reference
     from test_kv_cache import tiny_decoder  # tests/ is on sys.path under pytest
 
     model = tiny_decoder("llama")
+    if key_rotation:  # the -keyrot recipes: the paged cache must store rotated keys, as the reference does
+        enable_key_rotation(model, ModelAdapter(model).head_dim, seed=2)
     enable_kv_quantization(model, 4)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 23, 12, 40, 7)]

@@ -327,7 +327,9 @@ def test_packed_linear_on_cuda_matches_reference(cfg):
     """Kernels where they exist (1e-3 relative: fp16 output), the reference path otherwise."""
     w = _quantized(cfg, 256, 576, seed=7)
     m = PackedLinear.pack(w, None, 8)
-    x = torch.randn(4, 576)
+    # The kernels quantize activations from fp16 (cuda_ops.packed_linear_forward): give both
+    # paths fp16 values, or the reference's codes differ (2.8e-3 relative from fp32 inputs).
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(3)).half().float()
     ref = m(x)
     out = m.to("cuda")(x.cuda()).cpu()
     assert out.dtype == ref.dtype
