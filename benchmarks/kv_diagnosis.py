@@ -43,14 +43,22 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=6, help="first N windows of 2048 tokens")
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--calib-seqlen", type=int, default=512)
+    parser.add_argument("--alphas", default="", help="extra rows: rotation + SmoothAttention at these alphas (comma list)")
+    parser.add_argument("--only", default="", help="run only the rows whose label contains this text")
     parser.add_argument("--json")
     args = parser.parse_args()
+    rows_to_run = dict(ROWS)
+    for alpha in filter(None, args.alphas.split(",")):
+        rows_to_run[f"KV4 + rotation + SmoothAttention {alpha}"] = (
+            4, [{"rotate": {"value_hadamard": True}}, {"smooth_attention": {"alpha": float(alpha)}}], False)
+    if args.only:
+        rows_to_run = {k: v for k, v in rows_to_run.items() if args.only in k}
 
     base, tokenizer, _ = load_model(args.model)
     ids = wikitext2_test_ids(tokenizer, args.data_dir)
     calib = build_calibration("wikitext2", tokenizer, args.calib_samples, args.calib_seqlen, 0, args.data_dir)
     rows = []
-    for label, (bits, steps, keys_only) in ROWS.items():
+    for label, (bits, steps, keys_only) in rows_to_run.items():
         t0 = time.perf_counter()
         model = copy.deepcopy(base)
         if steps:

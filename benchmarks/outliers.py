@@ -44,8 +44,9 @@ def window_nlls(model, ids: torch.Tensor, seqlen: int, windows: int) -> list[flo
     """Summed NLL of each window, by the protocol of qoqtool.eval.perplexity (so that one run
     gives the perplexity over the first 20, 40 or all 148 windows)."""
     out = []
+    device = next(model.parameters()).device
     for w in range(windows):
-        x = ids[w * seqlen : (w + 1) * seqlen].unsqueeze(0)
+        x = ids[w * seqlen : (w + 1) * seqlen].unsqueeze(0).to(device)
         logits = model(x, use_cache=False).logits[0, :-1].float()
         out.append(float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum")))
     return out
@@ -77,11 +78,11 @@ def accuracy(args) -> None:
         tag = f"{recipe.name}-{share}{'' if quads else '-free'}{'-global' if args.scope == 'global' else ''}"
         out = Path(args.work) / tag
         t0 = time.perf_counter()
-        result = quantize_model(copy.deepcopy(model), recipe, calib.tokens, batch_size=8, outliers=budget,
-                                keep_float_weights=args.keep_float_weights)
+        result = quantize_model(copy.deepcopy(model), recipe, calib.tokens, device=args.device, batch_size=8,
+                                outliers=budget, keep_float_weights=args.keep_float_weights)
         seconds = time.perf_counter() - t0
         quantized.save(result, tokenizer, str(out), "smollm2-135m", calib.describe(), overwrite=True)
-        loaded = load_any(str(out))
+        loaded = load_any(str(out), device=args.device)
         t0 = time.perf_counter()
         windows = min(ids.numel() // 2048, args.max_windows or 10**9)
         nlls = window_nlls(loaded.model, ids, 2048, windows)
@@ -93,6 +94,7 @@ def accuracy(args) -> None:
             "window_nll": [round(v, 3) for v in nlls], "quantize_seconds": round(seconds, 1),
             "eval_seconds": round(time.perf_counter() - t0, 1), "folder": str(out),
             "calibration": f"wikitext2 validation {args.calib_samples}x{args.calib_seqlen}",
+            "device": args.device,
         }
         _append(args.json, record)
         del loaded, result
@@ -190,6 +192,7 @@ def main() -> None:
     acc.add_argument("--calib-samples", type=int, default=64)
     acc.add_argument("--calib-seqlen", type=int, default=512)
     acc.add_argument("--keep-float-weights", action="store_true")
+    acc.add_argument("--device", default="cpu", help="where to calibrate and evaluate (cuda: the reference path on the GPU)")
     st = sub.add_parser("storage")
     st.add_argument("folders", nargs="+")
     pt = sub.add_parser("pack-time")

