@@ -60,7 +60,37 @@ struct Params {
   int groups, group_shift;  // progressive: Kp / G groups, G = 32 << group_shift
   int groups_per_stage;     // progressive, wgmma: groups in one 128-wide pipeline stage
   int splits, out_i32;
+  // Tile-COO outliers (stream_kernel<..., OUTLIERS = true> only; docs/tile-coo.md). The
+  // section must have passed qoqtool.packing.tile_coo.validate (the packed loader runs it).
+  const uint4* tc_entries;  // [Q] 16-byte entries
+  const int32_t* tc_start;  // [NT, NBk] first entry of bucket (row tile, 64-column block)
+  const int32_t* tc_count;  // [NT, NBk] entries of that bucket
+  float* sparse_workspace;  // [splits, M, NT*32] fp32 outlier partial sums (splits > 1)
+  int NBk;                  // ceil(Kp / 64) buckets along K
 };
+
+// What every entry point sets alike: the activations, the shape, split-K and its buffers.
+inline Params base_params(const int8_t* x, const __half* x_scale, const uint8_t* qweight, const __half* scale,
+                          int M, int N, int Kp, int splits, int32_t* workspace, int32_t* counters) {
+  Params p{};
+  p.x = x;
+  p.x_scale = x_scale;
+  p.qweight = qweight;
+  p.scale = scale;
+  p.M = M;
+  p.N = N;
+  p.Kp = Kp;
+  p.NT = ceil_div(N, 32);
+  p.KT = Kp / 32;
+  p.splits = splits;
+  p.workspace = workspace;
+  p.counters = counters;
+  return p;
+}
+
+// Tile-COO buckets: one row tile x two k-tiles (qoqtool.packing.tile_coo.BUCKET_N, BUCKET_K;
+// cuda_ops checks the two agree).
+constexpr int kBucketN = 32, kBucketK = 64;
 
 template <Kind K>
 constexpr int kLaneBytes = K == Kind::kInt8Channel ? 32 : 16;  // one lane's share of a tile
@@ -135,8 +165,15 @@ __device__ __forceinline__ int split_begin(int n, int z, int splits) {
   return static_cast<int>(static_cast<int64_t>(n) * z / splits);
 }
 
-// The final value of out[m, n] from its INT32 accumulator, in the reference path's order
-// of float operations (qoqtool.quantizers.formats.*.linear_int8).
+// The dense value of out[m, n] from its INT32 accumulator (after the per-channel zero-point
+// term), in the reference path's order of float operations (quantizers.formats.*.linear_int8).
+template <Kind K>
+__device__ __forceinline__ float dense_result(const Params& p, int m, int n, int acc) {
+  const float sx = __half2float(p.x_scale[m]), sw = __half2float(p.scale[n]);
+  // UInt4Weight.linear_int8 scales by the weight first, the others by the token first.
+  return K == Kind::kUInt4Channel ? (static_cast<float>(acc) * sw) * sx : (static_cast<float>(acc) * sx) * sw;
+}
+
 template <Kind K>
 __device__ __forceinline__ void store_result(const Params& p, int m, int n, int acc) {
   if (m >= p.M || n >= p.N) return;
@@ -146,24 +183,42 @@ __device__ __forceinline__ void store_result(const Params& p, int m, int n, int 
     static_cast<int32_t*>(p.out)[at] = acc;
     return;
   }
-  const float sx = __half2float(p.x_scale[m]), sw = __half2float(p.scale[n]);
-  // UInt4Weight.linear_int8 scales by the weight first, the others by the token first.
-  const float y = K == Kind::kUInt4Channel ? (static_cast<float>(acc) * sw) * sx : (static_cast<float>(acc) * sx) * sw;
-  static_cast<__half*>(p.out)[at] = __float2half_rn(y);
+  static_cast<__half*>(p.out)[at] = __float2half_rn(dense_result<K>(p, m, n, acc));
+}
+
+// The same with the outliers' fp32 sum `sparse` = sum_k S[n, k] * xq[m, k] (docs/tile-coo.md,
+// section 1): the reference path (QuantLinear.forward) computes
+//     y = linear_int8(xq, sx) + (S xq^T)^T * sx
+//       = (acc * sx) * s0 + sparse * sx                       progressive
+//       = ((acc - z * rowsum(xq)) * s) * sx + sparse * sx     uint4 per channel
+// i.e. y = sx * (sw * acc + sparse): the token scale once per term, in fp32, one fp16
+// rounding at the end. (No INT32 output: the sparse sum is not an integer.)
+template <Kind K>
+__device__ __forceinline__ void store_result_with_outliers(const Params& p, int m, int n, int acc, float sparse) {
+  if (m >= p.M || n >= p.N) return;
+  if constexpr (K == Kind::kUInt4Channel) acc -= static_cast<int>(p.zero[n]) * p.x_rowsum[m];
+  const float y = dense_result<K>(p, m, n, acc) + sparse * __half2float(p.x_scale[m]);
+  static_cast<__half*>(p.out)[static_cast<size_t>(m) * p.N + n] = __float2half_rn(y);
 }
 
 // Split-K across CTAs. `visit(f)` calls f(m, n, int& acc) for every accumulator this thread
-// holds (threads holding none call nothing). Every thread of the CTA must call this.
-// Returns true in the CTA that must run the epilogue: the only one when splits == 1,
-// otherwise the last split to arrive, with the other splits' partials added to its own.
+// holds (threads holding none call nothing); the fused sparse-dense kernel's visit calls
+// f(m, n, int& acc, float& sparse), and the fp32 outlier partials travel through
+// p.sparse_workspace beside the INT32 ones (`sparse...` is empty for the dense kernels).
+// Every thread of the CTA must call this. Returns true in the CTA that must run the
+// epilogue: the only one when splits == 1, otherwise the last split to arrive, with the
+// other splits' partials added to its own.
 template <class Visit>
 __device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
   if (p.splits == 1) return true;
   __shared__ int last_split;
   const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;
   int32_t* mine = p.workspace + blockIdx.z * slice;
-  visit([&](int m, int n, int& acc) {
-    if (m < p.M) mine[m * ld + n] = acc;
+  visit([&](int m, int n, int& acc, auto&... sparse) {
+    if (m < p.M) {
+      mine[m * ld + n] = acc;
+      ((p.sparse_workspace[blockIdx.z * slice + m * ld + n] = sparse), ...);
+    }
   });
   __threadfence();  // our partials are visible device-wide before we are counted
   __syncthreads();
@@ -179,8 +234,11 @@ __device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
   for (int z = 0; z < p.splits; ++z) {
     if (z == static_cast<int>(blockIdx.z)) continue;
     const int32_t* theirs = p.workspace + z * slice;
-    visit([&](int m, int n, int& acc) {
-      if (m < p.M) acc += __ldcg(theirs + m * ld + n);  // through L2: L1 is not coherent
+    visit([&](int m, int n, int& acc, auto&... sparse) {
+      if (m < p.M) {
+        acc += __ldcg(theirs + m * ld + n);  // through L2: L1 is not coherent
+        ((sparse += __ldcg(p.sparse_workspace + z * slice + m * ld + n)), ...);
+      }
     });
   }
   return true;
@@ -194,16 +252,121 @@ __device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
 // Grid = (NT / RT, M / (8 NB), splits). Each warp walks its k-tiles in chunks of U
 // consecutive tiles (U*512 contiguous bytes of W4 per warp) and issues the loads of all U
 // before the first mma, so U 128-bit loads per lane are in flight.
+//
+// OUTLIERS = true is the fused sparse-dense GEMM (issue 8, W4A8): the same CTA also adds the
+// Tile-COO outliers of its row tiles (docs/tile-coo.md), sum_k S[n, k] * xq[m, k] in fp32,
+// before the single write of the output. How:
+//  * Who does a bucket: the warp whose chunk holds the bucket's FIRST k-tile (bucket bk
+//    covers k-tiles 2bk, 2bk + 1). Chunks partition a split's k-tiles and splits partition
+//    all k-tiles, so every bucket is done exactly once whatever the split count, the k-slice
+//    count or U - a bucket that straddles two chunks or two splits is the first one's.
+//  * When: its (start, count) lookups are issued with the chunk's weight loads, its entries
+//    after the chunk's mma. The stream kernel is a weight stream; the outliers ride in the
+//    gaps of that stream, on the warps that hold the matching k range.
+//  * Lanes: the chunk's entries (its buckets' runs one after the other) are dealt one per
+//    lane, 32 at a time, so 32 independent 128-bit entry loads (four fp16 values, four rows,
+//    one column each) are in flight; each lane then takes every token of the CTA for its
+//    entry. (docs/tile-coo.md, section 3, plans lane = 8 * entry + token, which shares one
+//    gather among eight tokens of a shared-memory activation tile; this kernel has no such
+//    tile, and that mapping puts only four loads in flight per warp step.)
+//  * Activations: xq[m, col] is read straight from global memory through L1, one byte per
+//    (entry, token): the same bytes this warp has just loaded through L1 as its B fragments
+//    for the chunk, so the gathers hit L1. The stream kernel stages no activation tile in
+//    shared memory (its B fragments come through L1 too); staging one for the outliers alone
+//    would add a copy and a barrier per chunk for bytes already on chip.
+//  * Sums: value * xq is exact in fp32 (an 11-bit times an 8-bit significand); the products
+//    of real slots (padding slots are skipped) are added with shared-memory atomics into one
+//    fp32 [32 rows x 8NB tokens] array per row tile, which the WK warps of the row tile share.
+//    Lanes of one warp, and warps, may meet on one address (two entries of one row): the
+//    atomics make that correct, only slower.
+//    After a barrier, the k-slice-0 warp reads the sums of the accumulators it holds into
+//    registers; they go through split-K beside the INT32 sums (reduce_splits) and the
+//    epilogue applies sx once: y = sx * (sw * acc + sparse) (store_result_with_outliers).
+//    fp32 atomics add in arrival order: the last bit of a result may vary between runs.
 
-template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS>
+// Shared memory of the stream kernel: the k-slice reduction's buffer, and with OUTLIERS the
+// outlier sums [row tile][row][token], whose lifetime ends before the reduction starts.
+template <int NB, int RT, int WK, bool OUTLIERS>
+union StreamShared {
+  int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
+  float sparse[OUTLIERS ? RT * kBucketN * 8 * NB : 1];
+};
+
+// The outliers of one chunk's buckets, at most CB of them (lane b < CB holds bucket bk0 + b's
+// first entry and count; 0 and 0 past the chunk's buckets), for tokens m0 .. m0 + 8NB - 1,
+// added into sums[row * 8NB + token - m0] (shared memory). Every lane of the warp must call this.
+template <int NB, int CB>
+__device__ __forceinline__ void add_outliers(const Params& p, int bk0, int first, int count, int m0, int lane,
+                                             float* sums) {
+  constexpr int kTokens = 8 * NB;
+  // The chunk's entries as one list, bucket after bucket: entry f of the list is entry
+  // base[b] + f of the section, f in [end[b - 1], end[b]).
+  int base[CB], end[CB], total = 0;
+#pragma unroll
+  for (int b = 0; b < CB; ++b) {
+    base[b] = __shfl_sync(0xffffffffu, first, b) - total;
+    total += __shfl_sync(0xffffffffu, count, b);
+    end[b] = total;
+  }
+  // Lane l takes entries l, l + 32, ... of the list: 32 independent 128-bit loads in flight
+  // per round (a bucket holds ~5-20 entries at 1%), each lane then walks all the CTA's tokens.
+  for (int f = lane; f < total; f += kWarp) {
+    int b = 0;
+#pragma unroll
+    for (int i = 0; i + 1 < CB; ++i) b += f >= end[i];  // ends never decrease: the first bucket ending past f
+    int at = base[0];
+#pragma unroll
+    for (int i = 1; i < CB; ++i) at = b == i ? base[i] : at;  // (a select, not a local-memory index)
+    const uint4 entry = ldg_stream_v4(p.tc_entries + at + f);  // read once: keep it out of L1
+    const int col = (bk0 + b) * kBucketK + (entry.w & 0xFF);    // byte 12: the bucket-local column
+    const uint32_t real = (entry.w >> 8) & 0xF;                 // byte 13: which slots hold outliers
+    const float2 v01 = __half22float2(*reinterpret_cast<const __half2*>(&entry.x));  // slots 0, 1
+    const float2 v23 = __half22float2(*reinterpret_cast<const __half2*>(&entry.y));  // slots 2, 3
+    const float v[4] = {v01.x, v01.y, v23.x, v23.y};
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      // Tokens are visited in a lane-dependent order, so that the lanes of one atomic hit
+      // different tokens, i.e. mostly different banks, even when their rows agree.
+      float x[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int m = m0 + 8 * nb + (i + lane) % 8;
+        x[i] = m < p.M ? static_cast<float>(__ldg(p.x + static_cast<size_t>(m) * p.Kp + col)) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int tok = 8 * nb + (i + lane) % 8;
+        if (m0 + tok >= p.M) continue;  // a token past M: nothing to add
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          // Bytes 8..11: the slots' rows (`& 31`: valid rows are < 32, so a damaged section
+          // stays inside shared memory). value * x is exact in fp32.
+          const int row = (entry.z >> (8 * s)) & (kBucketN - 1);
+          if ((real >> s) & 1) atomicAdd(sums + row * kTokens + tok, v[s] * x[i]);
+        }
+      }
+    }
+  }
+}
+
+template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS = false>
 __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const Params p) {
   static_assert((WK & (WK - 1)) == 0, "the k-slice reduction is a tree");
+  static_assert(!OUTLIERS || (U % 2 == 0 && U / 2 <= kWarp), "a chunk starts at most U / 2 buckets, one lane each");
   constexpr int kBytes = kLaneBytes<K>;
+  constexpr int kTokens = 8 * NB;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   const int rt = warp / WK, wk = warp % WK;
   const int nt = blockIdx.x * RT + rt;
   const int m0 = blockIdx.y * 8 * NB;
   const int kt_begin = split_begin(p.KT, blockIdx.z, p.splits), kt_end = split_begin(p.KT, blockIdx.z + 1, p.splits);
+
+  __shared__ StreamShared<NB, RT, WK, OUTLIERS> sh;
+  float* const sums = sh.sparse + rt * kBucketN * kTokens;  // OUTLIERS: this row tile's outlier sums
+  if constexpr (OUTLIERS) {
+    for (int i = threadIdx.x; i < RT * kBucketN * kTokens; i += RT * WK * kWarp) sh.sparse[i] = 0.f;
+    __syncthreads();
+  }
 
   int acc[2][NB][4] = {};
   if (nt < p.NT) {
@@ -215,6 +378,17 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     const size_t params_row = (static_cast<size_t>(nt) * p.groups) * 32 + 4 * g;  // progressive only
 
     for (int kt0 = kt_begin + wk * U; kt0 < kt_end; kt0 += WK * U) {
+      // OUTLIERS: the buckets whose first k-tile is in this chunk, bk0 .. bk0 + nbk - 1; lane
+      // b looks up bucket bk0 + b now, so the lookups fly with the weight loads below.
+      int bk0 = 0, first = 0, count = 0;
+      if constexpr (OUTLIERS) {
+        bk0 = (kt0 + 1) / 2;
+        const int nbk = (min(kt0 + U, kt_end) + 1) / 2 - bk0;  // 0 .. U / 2
+        if (lane < nbk) {
+          first = __ldg(p.tc_start + nt * p.NBk + bk0 + lane);
+          count = __ldg(p.tc_count + nt * p.NBk + bk0 + lane);
+        }
+      }
       Fragment<K> f[U];
       uint32_t b[U][NB][2];
 #pragma unroll
@@ -244,14 +418,32 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
             for (int nb = 0; nb < NB; ++nb) mma_s8_16832(acc[blk][nb], a[blk], b[u][nb][0], b[u][nb][1]);
         }
       }
+      if constexpr (OUTLIERS) add_outliers<NB, U / 2>(p, bk0, first, count, m0, lane, sums);
     }
+  }
+
+  // OUTLIERS: once every warp has added its buckets, the k-slice-0 warp of each row tile
+  // takes the sums of the accumulators it holds (same (row, token) as acc[blk][nb][r]).
+  float sparse[2][NB][4];
+  if constexpr (OUTLIERS) {
+    __syncthreads();
+    if (wk == 0) {
+#pragma unroll
+      for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            sparse[blk][nb][r] = sums[(16 * blk + g + 8 * (r >> 1)) * kTokens + 8 * nb + 2 * t + (r & 1)];
+    }
+    __syncthreads();  // the k-slice reduction below reuses this shared memory
   }
 
   // Reduce the WK k-slices of each row tile: a tree through shared memory, laid out
   // [row tile][slot][register][lane] so that every access is one conflict-free word per lane.
   if constexpr (WK > 1) {
     constexpr int kRegs = 2 * NB * 4;
-    __shared__ int red[RT * (WK / 2) * kRegs * kWarp];
+    int* const red = sh.red;
 #pragma unroll
     for (int s = WK / 2; s >= 1; s /= 2) {
       if (wk >= s && wk < 2 * s) {
@@ -277,10 +469,16 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int r = 0; r < 4; ++r)
-          f(m0 + 8 * nb + 2 * t + (r & 1), nt * 32 + 16 * blk + g + 8 * (r >> 1), acc[blk][nb][r]);
+        for (int r = 0; r < 4; ++r) {
+          const int m = m0 + 8 * nb + 2 * t + (r & 1), n = nt * 32 + 16 * blk + g + 8 * (r >> 1);
+          if constexpr (OUTLIERS) f(m, n, acc[blk][nb][r], sparse[blk][nb][r]);
+          else f(m, n, acc[blk][nb][r]);
+        }
   };
-  if (reduce_splits(p, visit)) visit([&](int m, int n, int& v) { store_result<K>(p, m, n, v); });
+  if (reduce_splits(p, visit)) {
+    if constexpr (OUTLIERS) visit([&](int m, int n, int& v, float& s) { store_result_with_outliers<K>(p, m, n, v, s); });
+    else visit([&](int m, int n, int& v) { store_result<K>(p, m, n, v); });
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -429,11 +627,11 @@ enum class KernelId : int { kStream = 0, kWgmma = 1 };
 
 // Stream-kernel shapes by tokens per CTA (8*NB): RT row tiles x WK k-slices = 8 warps;
 // U k-tiles in flight per warp, fewer when the accumulators grow.
-template <Kind K, int NB>
+template <Kind K, int NB, bool OUTLIERS = false>
 cudaError_t launch_stream(const Params& p, cudaStream_t stream) {
   constexpr int RT = 2, WK = 4, U = NB <= 2 ? 8 : (NB == 4 ? 4 : 2), MIN_BLOCKS = NB <= 4 ? 2 : 1;
   const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);
-  stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS><<<grid, RT * WK * kWarp, 0, stream>>>(p);
+  stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS, OUTLIERS><<<grid, RT * WK * kWarp, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -513,6 +711,23 @@ cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
       case 1: return launch_wgmma<K, 1>(p, stream);
       case 2: return launch_wgmma<K, 2>(p, stream);
     }
+  }
+  return cudaErrorInvalidValue;
+}
+
+// The fused sparse-dense GEMM (W4A8 + Tile-COO outliers): the stream kernel only, NB = tile.
+// The wgmma kernel has no outlier path yet (qoqtool.runtime.packed_linear adds the outliers
+// after it). Needs an fp16 output and, with splits > 1, p.sparse_workspace.
+template <Kind K>
+cudaError_t launch_sparse_dense(const Params& p, int tile, cudaStream_t stream) {
+  if (p.M <= 0) return cudaSuccess;
+  if (p.splits < 1 || p.splits > p.KT || p.out_i32 || p.NBk != ceil_div(p.KT * 32, kBucketK)) return cudaErrorInvalidValue;
+  if (p.splits > 1 && p.sparse_workspace == nullptr) return cudaErrorInvalidValue;
+  switch (tile) {
+    case 1: return launch_stream<K, 1, true>(p, stream);
+    case 2: return launch_stream<K, 2, true>(p, stream);
+    case 4: return launch_stream<K, 4, true>(p, stream);
+    case 8: return launch_stream<K, 8, true>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

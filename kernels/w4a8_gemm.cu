@@ -7,6 +7,15 @@
 //   qoq_w4a8_gemm_per_channel  raw codes multiply the activations; the zero point moves to
 //                              the epilogue: out = (acc - z[n] * rowsum(x[m])) * s[n] * sx[m].
 //
+//   qoq_w4a8_sparse_dense_gemm_per_group / _per_channel
+//                              the same GEMMs fused with the linear's fp16 outliers in
+//                              Tile-COO (docs/tile-coo.md): the stream kernel's CTA of a row
+//                              tile also adds sum_k S[n, k] * xq[m, k] (fp32) of the buckets
+//                              of its k range, and the epilogue writes once
+//                              out = sx[m] * (sw[n] * acc + sparse); `tile` = NB of the
+//                              stream kernel (no wgmma path yet), `sparse_workspace` holds
+//                              [splits, M, NT*32] fp32 partials when splits > 1.
+//
 // The kernels, tile shapes and split-K live in gemm_kernels.cuh; the choice among them by
 // M is qoqtool.runtime.cuda_ops.plan. `out_i32` writes the raw INT32 accumulations instead
 // of fp16 (after the zero-point term for per-channel): the tests compare them bit for bit.
@@ -15,30 +24,36 @@
 using qoq::gemm::Kind;
 using qoq::gemm::Params;
 
+// The dense operands of each weight kind, shared by the dense and the fused entry points.
+static Params progressive_params(const int8_t* x, const __half* x_scale, const uint8_t* qweight, const __half* scale0,
+                                 const uint8_t* scale1, const uint8_t* zero_x_scale1, int M, int N, int Kp,
+                                 int group_shift, int splits, int32_t* workspace, int32_t* counters) {
+  Params p = qoq::gemm::base_params(x, x_scale, qweight, scale0, M, N, Kp, splits, workspace, counters);
+  p.scale1 = scale1;
+  p.zxs1 = zero_x_scale1;
+  p.group_shift = group_shift;
+  p.groups = p.KT >> group_shift;
+  return p;
+}
+
+static Params per_channel_params(const int8_t* x, const __half* x_scale, const int32_t* x_rowsum,
+                                 const uint8_t* qweight, const __half* scale, const uint8_t* zero, int M, int N, int Kp,
+                                 int splits, int32_t* workspace, int32_t* counters) {
+  Params p = qoq::gemm::base_params(x, x_scale, qweight, scale, M, N, Kp, splits, workspace, counters);
+  p.x_rowsum = x_rowsum;
+  p.zero = zero;
+  return p;
+}
+
 extern "C" int qoq_w4a8_gemm_per_group(int kernel, int tile, int splits, const int8_t* x, const __half* x_scale,
                                        const uint8_t* qweight, const __half* scale0, const uint8_t* scale1,
                                        const uint8_t* zero_x_scale1, void* out, int out_i32, int M, int N, int Kp,
                                        int group_shift, int32_t* workspace, int32_t* counters,
                                        cudaStream_t stream) {
-  Params p{};
-  p.x = x;
-  p.x_scale = x_scale;
-  p.qweight = qweight;
-  p.scale = scale0;
-  p.scale1 = scale1;
-  p.zxs1 = zero_x_scale1;
+  Params p = progressive_params(x, x_scale, qweight, scale0, scale1, zero_x_scale1, M, N, Kp, group_shift, splits,
+                                workspace, counters);
   p.out = out;
   p.out_i32 = out_i32;
-  p.workspace = workspace;
-  p.counters = counters;
-  p.M = M;
-  p.N = N;
-  p.Kp = Kp;
-  p.NT = qoq::ceil_div(N, 32);
-  p.KT = Kp / 32;
-  p.group_shift = group_shift;
-  p.groups = p.KT >> group_shift;
-  p.splits = splits;
   return qoq::gemm::launch<Kind::kProgressive>(p, kernel, tile, stream);
 }
 
@@ -46,22 +61,44 @@ extern "C" int qoq_w4a8_gemm_per_channel(int kernel, int tile, int splits, const
                                          const int32_t* x_rowsum, const uint8_t* qweight, const __half* scale,
                                          const uint8_t* zero, void* out, int out_i32, int M, int N, int Kp,
                                          int32_t* workspace, int32_t* counters, cudaStream_t stream) {
-  Params p{};
-  p.x = x;
-  p.x_scale = x_scale;
-  p.x_rowsum = x_rowsum;
-  p.qweight = qweight;
-  p.scale = scale;
-  p.zero = zero;
+  Params p = per_channel_params(x, x_scale, x_rowsum, qweight, scale, zero, M, N, Kp, splits, workspace, counters);
   p.out = out;
   p.out_i32 = out_i32;
-  p.workspace = workspace;
-  p.counters = counters;
-  p.M = M;
-  p.N = N;
-  p.Kp = Kp;
-  p.NT = qoq::ceil_div(N, 32);
-  p.KT = Kp / 32;
-  p.splits = splits;
   return qoq::gemm::launch<Kind::kUInt4Channel>(p, kernel, tile, stream);
+}
+
+// The fused sparse-dense entry points: the dense operands as above, plus the Tile-COO section
+// (entries [Q, 16] uint8, start and count [ceil(N/32), ceil(Kp/64)] int32), validated by the
+// caller (qoqtool.packing.tile_coo.validate). fp16 output only.
+static void set_outliers(Params& p, __half* out, const void* tc_entries, const int32_t* tc_start,
+                         const int32_t* tc_count, float* sparse_workspace) {
+  p.out = out;
+  p.tc_entries = static_cast<const uint4*>(tc_entries);
+  p.tc_start = tc_start;
+  p.tc_count = tc_count;
+  p.sparse_workspace = sparse_workspace;
+  p.NBk = qoq::ceil_div(p.Kp, qoq::gemm::kBucketK);
+}
+
+extern "C" int qoq_w4a8_sparse_dense_gemm_per_group(int tile, int splits, const int8_t* x, const __half* x_scale,
+                                                    const uint8_t* qweight, const __half* scale0, const uint8_t* scale1,
+                                                    const uint8_t* zero_x_scale1, const void* tc_entries,
+                                                    const int32_t* tc_start, const int32_t* tc_count, __half* out,
+                                                    int M, int N, int Kp, int group_shift, int32_t* workspace,
+                                                    float* sparse_workspace, int32_t* counters, cudaStream_t stream) {
+  Params p = progressive_params(x, x_scale, qweight, scale0, scale1, zero_x_scale1, M, N, Kp, group_shift, splits,
+                                workspace, counters);
+  set_outliers(p, out, tc_entries, tc_start, tc_count, sparse_workspace);
+  return qoq::gemm::launch_sparse_dense<Kind::kProgressive>(p, tile, stream);
+}
+
+extern "C" int qoq_w4a8_sparse_dense_gemm_per_channel(int tile, int splits, const int8_t* x, const __half* x_scale,
+                                                      const int32_t* x_rowsum, const uint8_t* qweight,
+                                                      const __half* scale, const uint8_t* zero, const void* tc_entries,
+                                                      const int32_t* tc_start, const int32_t* tc_count, __half* out,
+                                                      int M, int N, int Kp, int32_t* workspace, float* sparse_workspace,
+                                                      int32_t* counters, cudaStream_t stream) {
+  Params p = per_channel_params(x, x_scale, x_rowsum, qweight, scale, zero, M, N, Kp, splits, workspace, counters);
+  set_outliers(p, out, tc_entries, tc_start, tc_count, sparse_workspace);
+  return qoq::gemm::launch_sparse_dense<Kind::kUInt4Channel>(p, tile, stream);
 }

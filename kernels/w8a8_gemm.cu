@@ -10,20 +10,9 @@ using qoq::gemm::Params;
 extern "C" int qoq_w8a8_gemm(int kernel, int tile, int splits, const int8_t* x, const __half* x_scale,
                              const int8_t* qweight, const __half* scale, void* out, int out_i32, int M, int N, int Kp,
                              int32_t* workspace, int32_t* counters, cudaStream_t stream) {
-  Params p{};
-  p.x = x;
-  p.x_scale = x_scale;
-  p.qweight = reinterpret_cast<const uint8_t*>(qweight);
-  p.scale = scale;
+  Params p = qoq::gemm::base_params(x, x_scale, reinterpret_cast<const uint8_t*>(qweight), scale, M, N, Kp, splits,
+                                    workspace, counters);
   p.out = out;
   p.out_i32 = out_i32;
-  p.workspace = workspace;
-  p.counters = counters;
-  p.M = M;
-  p.N = N;
-  p.Kp = Kp;
-  p.NT = qoq::ceil_div(N, 32);
-  p.KT = Kp / 32;
-  p.splits = splits;
   return qoq::gemm::launch<Kind::kInt8Channel>(p, kernel, tile, stream);
 }

@@ -4,6 +4,9 @@ forward pass that uses them.
     qoqtool::w4a8_gemm_per_group    INT8 x [M, Kp] * progressive (QoQ) W4 -> fp16 [M, N]
     qoqtool::w4a8_gemm_per_channel  INT8 x * per-channel UINT4 W4 (+ the row sums of x)
     qoqtool::w8a8_gemm              INT8 x * per-channel INT8 W8
+    qoqtool::w4a8_sparse_dense_gemm_per_group / _per_channel
+                                    the two W4A8 GEMMs fused with the linear's fp16 outliers
+                                    in Tile-COO (docs/tile-coo.md), stream kernel only
     qoqtool::quantize_per_token     fp16 x [M, K] -> (x_q [M, Kp] int8, x_scale [M] fp16, x_rowsum [M] int32)
     qoqtool::rmsnorm_quantize       RMSNorm(x) * weight, then the same
     qoqtool::silu_mul_quantize      silu(gate) * up, then the same
@@ -24,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,14 @@ _SIGNATURES = {
     "qoq_w4a8_gemm_per_channel": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
     # kernel, tile, splits, x, x_scale, qweight, scale, out, out_i32, M, N, Kp, ws, counters, stream
     "qoq_w8a8_gemm": [_I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
+    # tile, splits, x, x_scale, qweight, scale0, scale1, zxs1, tc_entries, tc_start, tc_count, out, M, N, Kp,
+    # group_shift, ws, sparse_ws, counters, stream
+    "qoq_w4a8_sparse_dense_gemm_per_group": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
+                                             _P, _P],
+    # tile, splits, x, x_scale, x_rowsum, qweight, scale, zero, tc_entries, tc_start, tc_count, out, M, N, Kp,
+    # ws, sparse_ws, counters, stream
+    "qoq_w4a8_sparse_dense_gemm_per_channel": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P,
+                                               _P, _P],
     # x, M, K, Kp, x_q, x_scale, x_rowsum, stream
     "qoq_quantize_per_token": [_P, _I, _I, _I, _P, _P, _P, _P],
     # x, weight, eps, M, K, Kp, x_q, x_scale, x_rowsum, stream
@@ -176,7 +188,7 @@ def _expect(name: str, t, dtype: torch.dtype, shape: tuple) -> None:
 
 
 # Operands the kernels read with 16-byte vector loads or cp.async: their base must be aligned.
-_VECTOR_READ = {"x", "x_q", "gate", "up", "weight", "qweight", "scale1", "zero_x_scale1"}
+_VECTOR_READ = {"x", "x_q", "gate", "up", "weight", "qweight", "scale1", "zero_x_scale1", "tc_entries"}
 
 
 def _expect_device(**tensors: Tensor) -> torch.device:
@@ -244,6 +256,25 @@ def check_w8a8(x_q, x_scale, qweight, scale, out_features: int) -> None:
     _expect_device(x_q=x_q, x_scale=x_scale, qweight=qweight, scale=scale)
 
 
+# Tile-COO buckets as the kernel hard-codes them (kBucketN, kBucketK in gemm_kernels.cuh);
+# tests/test_sparse_dense_gpu.py checks they equal qoqtool.packing.tile_coo's BUCKET_N, BUCKET_K.
+TILE_COO_BUCKET = (32, 64)
+TILE_COO_ENTRY_BYTES = 16
+
+
+def check_tile_coo(tc_entries, tc_start, tc_count, n_tiles: int, k_padded: int) -> None:
+    """Dtypes and shapes of a Tile-COO section for a weight of n_tiles row tiles and packed K.
+
+    The contents (offsets within the entries, indices within their tiles) are checked once,
+    when the section is loaded (qoqtool.packing.tile_coo.validate): reading them back from
+    the GPU on every call would synchronize the stream.
+    """
+    _expect("tc_entries", tc_entries, torch.uint8, (None, TILE_COO_ENTRY_BYTES))
+    buckets = (n_tiles, -(-k_padded // TILE_COO_BUCKET[1]))
+    _expect("tc_start", tc_start, torch.int32, buckets)
+    _expect("tc_count", tc_count, torch.int32, buckets)
+
+
 MAX_QUANTIZE_K = 32768  # kernels/fused_ops.cu keeps a padded row in registers
 
 
@@ -298,6 +329,61 @@ def run_gemm(kind: str, *operands: Tensor, out_features: int, out: Tensor | None
     return out
 
 
+# The fused sparse-dense GEMM: the outliers ride inside the stream kernel (small M). The
+# packed linear uses it up to this many tokens and the dense wgmma kernel + a separate sparse
+# product above (the stream kernel at M = 64 is ~1.2x the dense wgmma one, notes-gemm.md,
+# and the separate product costs more than that).
+FUSED_MAX_M = 64
+# The packed model uses the fused kernel only when asked (QOQTOOL_FUSED_OUTLIERS=1): it has not
+# yet run on a GPU (benchmarks/RESULTS.md, issue 8), while the stopgap below has passed its
+# GPU tests. tests/test_sparse_dense_gpu.py exercises the fused ops directly either way.
+FUSED_OUTLIERS = os.environ.get("QOQTOOL_FUSED_OUTLIERS") == "1"
+_SPARSE_DENSE_ENTRY = {"per_group": "qoq_w4a8_sparse_dense_gemm_per_group",
+                       "per_channel": "qoq_w4a8_sparse_dense_gemm_per_channel"}
+
+
+def run_sparse_dense_gemm(kind: str, *operands: Tensor, tc: tuple[Tensor, Tensor, Tensor], out_features: int,
+                          out: Tensor | None = None) -> Tensor:
+    """Validate, plan, launch the fused W4A8 + Tile-COO GEMM; the custom ops below call this.
+
+    kind: "per_group" | "per_channel", operands as for run_gemm; tc = (tc_entries, tc_start,
+    tc_count) of a section that passed tile_coo.validate. Always the stream kernel (the plan
+    as on a GPU without wgmma); PLAN_OVERRIDE may force its tile and splits, not the wgmma
+    kernel. fp16 output only.
+    """
+    if kind not in ("per_group", "per_channel"):
+        raise ValueError(f"the fused sparse-dense GEMM exists for per_group and per_channel W4A8, not {kind!r}")
+    _, check, names = _GEMMS[kind]
+    x_q = operands[0]
+    m, kp = _check_activations(x_q, operands[1])
+    check_tile_coo(*tc, -(-out_features // 32), kp)  # the section's shapes first (CPU-testable)
+    tail = check(*operands, out_features)  # the dense operands, then their device and alignment
+    tail = () if tail is None else (tail,)
+    n_tiles = operands[names.index("qweight")].shape[0]
+    _expect_device(x_q=x_q, tc_entries=tc[0], tc_start=tc[1], tc_count=tc[2])
+    if out is None:
+        out = torch.empty((m, out_features), dtype=torch.float16, device=x_q.device)
+    else:
+        _expect("out", out, torch.float16, (m, out_features))
+        _expect_device(x_q=x_q, out=out)
+    if m == 0:
+        return out
+    sms, _ = _device_info(x_q.device.index)
+    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False)
+    if p.kernel != STREAM:
+        raise ValueError("the fused sparse-dense GEMM runs on the stream kernel only")
+    ws = sparse_ws = cnt = ctypes.c_void_p(0)
+    if p.splits > 1:
+        size = p.splits * m * n_tiles * 32
+        workspace = torch.empty(size, dtype=torch.int32, device=x_q.device)
+        sparse_workspace = torch.empty(size, dtype=torch.float32, device=x_q.device)
+        ws, sparse_ws = kl.ptr(workspace), kl.ptr(sparse_workspace)
+        cnt = kl.ptr(_counters(x_q.device, p.grid_tiles(m, n_tiles)))
+    _call(_SPARSE_DENSE_ENTRY[kind], p.tile, p.splits, *map(kl.ptr, operands), *map(kl.ptr, tc),
+          kl.ptr(out), m, out_features, kp, *tail, ws, sparse_ws, cnt, kl.stream_of(x_q))
+    return out
+
+
 def _gemm_fake(x_q: Tensor, out_features: int) -> Tensor:
     return x_q.new_empty((x_q.shape[0], out_features), dtype=torch.float16)
 
@@ -334,6 +420,35 @@ def w8a8_gemm(x_q: Tensor, x_scale: Tensor, qweight: Tensor, scale: Tensor, out_
 
 @w8a8_gemm.register_fake
 def _(x_q, x_scale, qweight, scale, out_features):
+    return _gemm_fake(x_q, out_features)
+
+
+@torch.library.custom_op("qoqtool::w4a8_sparse_dense_gemm_per_group", mutates_args=())
+def w4a8_sparse_dense_gemm_per_group(x_q: Tensor, x_scale: Tensor, qweight: Tensor, scale0: Tensor, scale1: Tensor,
+                                     zero_x_scale1: Tensor, tc_entries: Tensor, tc_start: Tensor, tc_count: Tensor,
+                                     out_features: int) -> Tensor:
+    """out[m, n] = fp16(x_scale[m] * (scale0[n] * sum_k x_q[m, k] w8[n, k] + sum_k S[n, k] x_q[m, k])),
+    S the fp16 outliers of the Tile-COO section (tc_*), the sparse sum in fp32."""
+    return run_sparse_dense_gemm("per_group", x_q, x_scale, qweight, scale0, scale1, zero_x_scale1,
+                                 tc=(tc_entries, tc_start, tc_count), out_features=out_features)
+
+
+@w4a8_sparse_dense_gemm_per_group.register_fake
+def _(x_q, x_scale, qweight, scale0, scale1, zero_x_scale1, tc_entries, tc_start, tc_count, out_features):
+    return _gemm_fake(x_q, out_features)
+
+
+@torch.library.custom_op("qoqtool::w4a8_sparse_dense_gemm_per_channel", mutates_args=())
+def w4a8_sparse_dense_gemm_per_channel(x_q: Tensor, x_scale: Tensor, x_rowsum: Tensor, qweight: Tensor, scale: Tensor,
+                                       zero: Tensor, tc_entries: Tensor, tc_start: Tensor, tc_count: Tensor,
+                                       out_features: int) -> Tensor:
+    """out[m, n] = fp16(x_scale[m] * (scale[n] * (sum_k x_q q - zero[n] x_rowsum[m]) + sum_k S[n, k] x_q[m, k]))."""
+    return run_sparse_dense_gemm("per_channel", x_q, x_scale, x_rowsum, qweight, scale, zero,
+                                 tc=(tc_entries, tc_start, tc_count), out_features=out_features)
+
+
+@w4a8_sparse_dense_gemm_per_channel.register_fake
+def _(x_q, x_scale, x_rowsum, qweight, scale, zero, tc_entries, tc_start, tc_count, out_features):
     return _gemm_fake(x_q, out_features)
 
 
@@ -432,12 +547,22 @@ def _quantized_input(x: Tensor, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
     return result
 
 
+def fuses_outliers(module, tokens: int) -> bool:
+    """Whether packed_linear_forward applies the module's Tile-COO outliers itself (the fused
+    sparse-dense kernel: W4A8 progressive or per-channel UINT4, at most FUSED_MAX_M tokens).
+    Otherwise the caller adds them (PackedLinear._sparse_term)."""
+    return (FUSED_OUTLIERS and getattr(module, "has_outliers", False) and module.act_bits == 8 and tokens <= FUSED_MAX_M
+            and (module.kind == "progressive" or (module.kind == "uint4" and module.group_size is None)))
+
+
 def packed_linear_forward(module, x: Tensor) -> Tensor:
     """y = module(x) on the GPU kernels for a packed linear (qoqtool.runtime.packed_linear).
 
     x: any leading dims, fp16/bf16/fp32 (quantized from fp16); returns x.dtype. Raises
     NotImplementedError for formats without a kernel (unquantized activations, UINT4 with
-    float group scales) so that the caller can fall back to the reference path.
+    float group scales) so that the caller can fall back to the reference path. A module with
+    outliers (`has_outliers`, buffers tc_*) gets them from the fused kernel when
+    `fuses_outliers(module, tokens)`, and not at all otherwise (the caller adds them).
     """
     if module.act_bits != 8:
         raise NotImplementedError("no kernel for W4A16/W8A16 (unquantized activations)")
@@ -450,7 +575,15 @@ def packed_linear_forward(module, x: Tensor) -> Tensor:
         raise ValueError(f"input has {x.shape[-1]} features, the layer takes {module.in_features}")
     x_q, x_scale, x_rowsum = _quantized_input(x, module.k_padded)
     n = module.out_features
-    if kind == "progressive":
+    if fuses_outliers(module, x_q.shape[0]):
+        tc = (module.tc_entries, module.tc_start, module.tc_count)
+        if kind == "progressive":
+            y = torch.ops.qoqtool.w4a8_sparse_dense_gemm_per_group(x_q, x_scale, module.qweight, module.scale0,
+                                                                   module.scale1, module.zero_x_scale1, *tc, n)
+        else:
+            y = torch.ops.qoqtool.w4a8_sparse_dense_gemm_per_channel(x_q, x_scale, x_rowsum, module.qweight,
+                                                                     module.scale, module.zero, *tc, n)
+    elif kind == "progressive":
         y = torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, module.qweight, module.scale0, module.scale1,
                                                   module.zero_x_scale1, n)
     elif kind == "uint4":

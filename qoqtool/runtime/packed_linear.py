@@ -9,7 +9,10 @@ docs/format.md), so `load_state_dict` fills it straight from the file. The forwa
 
 A linear with fp16 outliers also holds their Tile-COO section (docs/tile-coo.md) as the
 buffers tc_entries, tc_start, tc_count; the reference path decodes it once and applies
-exactly what `QuantLinear` applies. The reference path sees bit for bit the weight (and
+exactly what `QuantLinear` applies. On CUDA, W4A8 linears (progressive, per-channel UINT4)
+at most `cuda_ops.FUSED_MAX_M` tokens run the fused sparse-dense kernel (the outliers inside
+the dense stream kernel); larger M (the wgmma kernel) and W8A8 still add them after the
+dense kernel (`_sparse_term`, a stopgap). The reference path sees bit for bit the weight (and
 outliers) `qoqtool quantize` wrote, so a packed model on the CPU computes exactly what its
 quantized folder computes.
 """
@@ -161,8 +164,10 @@ class PackedLinear(nn.Module):
             ops = _kernels()
             if ops is not None:
                 try:
-                    y = ops.packed_linear_forward(self, x)
-                    return y if not self.has_outliers else y + self._sparse_term(ops, x).to(y.dtype)
+                    y = ops.packed_linear_forward(self, x)  # outliers included when the kernel fuses them
+                    if self.has_outliers and not ops.fuses_outliers(self, x.numel() // x.shape[-1]):
+                        y = y + self._sparse_term(ops, x).to(y.dtype)
+                    return y
                 except NotImplementedError:
                     self.use_kernels = False  # no kernel for this format: reference path from now on
         return self.reference()(x)
@@ -170,7 +175,8 @@ class PackedLinear(nn.Module):
     def _sparse_term(self, ops, x: torch.Tensor) -> torch.Tensor:
         """The outliers' product on CUDA, in torch, after the dense kernel.
 
-        STOPGAP until the fused Tile-COO kernel exists (a later issue): a separate sparse
+        STOPGAP where the fused sparse-dense kernel does not apply (more than
+        cuda_ops.FUSED_MAX_M tokens, i.e. the wgmma kernel; W8A8): a separate sparse
         matmul that reloads the activations - the cost Tile-COO is designed to avoid. It
         multiplies the INT8 codes of the dense kernel's own quantizer (cached, so usually
         not computed twice) and applies the token scale last, as `QuantLinear` does.
