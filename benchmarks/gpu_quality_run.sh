@@ -10,6 +10,10 @@
 #                    the outlier accuracy table (0 / 0.5 / 1 / 2 %) of three recipes,
 #                    zero-shot (piqa, arc_easy, arc_challenge) of QoQ g128 with and without key rotation,
 #                    packed checkpoints through the kernels (key rotation; 1 % outliers) vs the reference path
+#                  On 2026-11-30 this stage did not finish in one 600 s call: seven calibrations side
+#                  by side on one GPU ran ~5x slower each (GPTQ's many small kernels time-slice the
+#                  GPU), so the ablations stopped after GPTQ and the last jobs never started.
+#                  Run at most two or three of these jobs per call.
 #
 # Why three calls: a call carries at most 64 MiB and the demo GGUF alone is 98 MB; files under
 # /tmp survive between calls while the machine is warm. .gpucarry/ (git-ignored) is made here with
