@@ -296,6 +296,29 @@ _GEMMS = {  # kind -> (entry point, validation, operand names)
 }
 
 
+def _output(x_q: Tensor, out: Tensor | None, out_features: int, dtype: torch.dtype) -> Tensor:
+    """The [M, out_features] result buffer: a new one, or the caller's after checking it."""
+    if out is None:
+        return torch.empty((x_q.shape[0], out_features), dtype=dtype, device=x_q.device)
+    _expect("out", out, dtype, (x_q.shape[0], out_features))
+    _expect_device(x_q=x_q, out=out)
+    return out
+
+
+def _split_buffers(p: Plan, m: int, n_tiles: int, device, partials=(torch.int32,)) -> list[Tensor | None]:
+    """Split-K's [splits, M, NT*32] partial sums (one buffer per dtype in `partials`) and the
+    CTA tiles' arrival counters; None for each without split-K. The caller keeps them alive
+    until the launch is queued (the allocator may reuse freed memory at once)."""
+    if p.splits == 1:
+        return [None] * (len(partials) + 1)
+    buffers = [torch.empty(p.splits * m * n_tiles * 32, dtype=dtype, device=device) for dtype in partials]
+    return buffers + [_counters(device, p.grid_tiles(m, n_tiles))]
+
+
+def _ptr(t: Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0) if t is None else kl.ptr(t)
+
+
 def run_gemm(kind: str, *operands: Tensor, out_features: int, out: Tensor | None = None,
              out_i32: bool = False) -> Tensor:
     """Validate, plan, launch one GEMM kernel; the custom ops below call this.
@@ -310,22 +333,14 @@ def run_gemm(kind: str, *operands: Tensor, out_features: int, out: Tensor | None
     tail = () if tail is None else (tail,)  # the per-group check returns the group shift
     x_q, n_tiles = operands[0], operands[names.index("qweight")].shape[0]
     m, kp = x_q.shape
-    dtype = torch.int32 if out_i32 else torch.float16
-    if out is None:
-        out = torch.empty((m, out_features), dtype=dtype, device=x_q.device)
-    else:
-        _expect("out", out, dtype, (m, out_features))
-        _expect_device(x_q=x_q, out=out)
+    out = _output(x_q, out, out_features, torch.int32 if out_i32 else torch.float16)
     if m == 0:
         return out
     sms, hopper = _device_info(x_q.device.index)
     p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper)
-    ws = cnt = ctypes.c_void_p(0)
-    if p.splits > 1:
-        workspace = torch.empty(p.splits * m * n_tiles * 32, dtype=torch.int32, device=x_q.device)
-        ws, cnt = kl.ptr(workspace), kl.ptr(_counters(x_q.device, p.grid_tiles(m, n_tiles)))
+    split = _split_buffers(p, m, n_tiles, x_q.device)  # workspace, counters
     _call(entry, p.kernel, p.tile, p.splits, *map(kl.ptr, operands), kl.ptr(out), int(out_i32), m, out_features,
-          kp, *tail, ws, cnt, kl.stream_of(x_q))
+          kp, *tail, *map(_ptr, split), kl.stream_of(x_q))
     return out
 
 
@@ -361,26 +376,17 @@ def run_sparse_dense_gemm(kind: str, *operands: Tensor, tc: tuple[Tensor, Tensor
     tail = () if tail is None else (tail,)
     n_tiles = operands[names.index("qweight")].shape[0]
     _expect_device(x_q=x_q, tc_entries=tc[0], tc_start=tc[1], tc_count=tc[2])
-    if out is None:
-        out = torch.empty((m, out_features), dtype=torch.float16, device=x_q.device)
-    else:
-        _expect("out", out, torch.float16, (m, out_features))
-        _expect_device(x_q=x_q, out=out)
+    out = _output(x_q, out, out_features, torch.float16)
     if m == 0:
         return out
     sms, _ = _device_info(x_q.device.index)
     p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False)
     if p.kernel != STREAM:
         raise ValueError("the fused sparse-dense GEMM runs on the stream kernel only")
-    ws = sparse_ws = cnt = ctypes.c_void_p(0)
-    if p.splits > 1:
-        size = p.splits * m * n_tiles * 32
-        workspace = torch.empty(size, dtype=torch.int32, device=x_q.device)
-        sparse_workspace = torch.empty(size, dtype=torch.float32, device=x_q.device)
-        ws, sparse_ws = kl.ptr(workspace), kl.ptr(sparse_workspace)
-        cnt = kl.ptr(_counters(x_q.device, p.grid_tiles(m, n_tiles)))
+    # workspace, fp32 outlier partials, counters
+    split = _split_buffers(p, m, n_tiles, x_q.device, partials=(torch.int32, torch.float32))
     _call(_SPARSE_DENSE_ENTRY[kind], p.tile, p.splits, *map(kl.ptr, operands), *map(kl.ptr, tc),
-          kl.ptr(out), m, out_features, kp, *tail, ws, sparse_ws, cnt, kl.stream_of(x_q))
+          kl.ptr(out), m, out_features, kp, *tail, *map(_ptr, split), kl.stream_of(x_q))
     return out
 
 
@@ -575,22 +581,20 @@ def packed_linear_forward(module, x: Tensor) -> Tensor:
         raise ValueError(f"input has {x.shape[-1]} features, the layer takes {module.in_features}")
     x_q, x_scale, x_rowsum = _quantized_input(x, module.k_padded)
     n = module.out_features
-    if fuses_outliers(module, x_q.shape[0]):
-        tc = (module.tc_entries, module.tc_start, module.tc_count)
-        if kind == "progressive":
-            y = torch.ops.qoqtool.w4a8_sparse_dense_gemm_per_group(x_q, x_scale, module.qweight, module.scale0,
-                                                                   module.scale1, module.zero_x_scale1, *tc, n)
-        else:
-            y = torch.ops.qoqtool.w4a8_sparse_dense_gemm_per_channel(x_q, x_scale, x_rowsum, module.qweight,
-                                                                     module.scale, module.zero, *tc, n)
-    elif kind == "progressive":
-        y = torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, module.qweight, module.scale0, module.scale1,
-                                                  module.zero_x_scale1, n)
+    ops = torch.ops.qoqtool
+    if kind == "progressive":
+        dense, fused = ops.w4a8_gemm_per_group, ops.w4a8_sparse_dense_gemm_per_group
+        operands = (x_q, x_scale, module.qweight, module.scale0, module.scale1, module.zero_x_scale1)
     elif kind == "uint4":
-        y = torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, module.qweight, module.scale,
-                                                    module.zero, n)
+        dense, fused = ops.w4a8_gemm_per_channel, ops.w4a8_sparse_dense_gemm_per_channel
+        operands = (x_q, x_scale, x_rowsum, module.qweight, module.scale, module.zero)
     else:
-        y = torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, module.qweight, module.scale, n)
+        dense, fused = ops.w8a8_gemm, None
+        operands = (x_q, x_scale, module.qweight, module.scale)
+    if fuses_outliers(module, x_q.shape[0]):  # never for W8A8
+        y = fused(*operands, module.tc_entries, module.tc_start, module.tc_count, n)
+    else:
+        y = dense(*operands, n)
     if module.bias is not None:
         y = y.float() + module.bias.float()  # as the reference path adds it: in fp32
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
