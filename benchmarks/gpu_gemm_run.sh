@@ -13,16 +13,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gemm_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 QOQTOOL_KERNEL_CACHE=$PWD/.kbuild QOQTOOL_KERNEL_SOURCES=w4a8_gemm,w8a8_gemm,fused_ops
-LOG=$OUT/log.txt
-stage() { echo; echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
-
-stage "machine"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
-  --format=csv 2>&1 | tee -a "$LOG"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3 | tee -a "$LOG"
-
-stage "build"
-timeout 300 python3 -m qoqtool.kernels.build 2>&1 | tee -a "$LOG"
+source benchmarks/gpu_stages.sh
+setup_machine 300
 
 stage "tests"
 timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short --maxfail=15 \

@@ -2,8 +2,9 @@
 # Quality measurements of the demo model on the H200, in three device calls to one warm machine
 # (benchmarks/RESULTS.md records what each produced):
 #
-#   stage=stash    carry .kbuild .gpucarry/p1 .gpucarry/whl: keep them in /tmp/g, install wheels
-#   stage=tests    carry .gpucarry/p2 .gpucarry/data: every GPU test that needs no demo model
+#   stage=stash    carry .kbuild .gpucarry/p1: keep them in /tmp/g
+#   stage=tests    carry .gpucarry/p2 .gpucarry/data .gpucarry/whl: install the wheels, every GPU test
+#                  that needs no demo model
 #   stage=quality  carry .gpucarry/p3: assemble the demo GGUF, then, side by side on one GPU
 #                  (the 135M model leaves it mostly idle; nothing here is timed for speed):
 #                    the QoQ ablation (Figure 16) of qoq-w4a8kv4-g128 and -g64,
@@ -35,7 +36,6 @@ if [ -d .gpucarry/pristine ]; then cp -r .gpucarry/pristine/. . && rm -f tests/t
 
 if [ "$stage" = stash ]; then
   cp -r .kbuild "$G/kbuild" && cp .gpucarry/p1 "$G/" || exit 3
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpucarry/whl/*.whl
   ls -la "$G"; exit
 fi
 
@@ -44,6 +44,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 
 if [ "$stage" = tests ]; then
   cp .gpucarry/p2 "$G/" && cp -r .gpucarry/data "$G/data" || exit 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpucarry/whl/*.whl
   timeout 500 python3 -m pytest -q -m "gpu and not slow" -p no:cacheprovider tests 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
   exit
 fi
@@ -80,6 +81,31 @@ through_kernels() {  # a packed folder on CUDA (kernels) against its quantized f
       2>&1 | tail -3
   done
 }
+
+# JOBS="outliers-kernels keyrot-kernels" runs only those (at most two or three per call, see above).
+if [ -n "${JOBS:-}" ]; then
+  for job in $JOBS; do
+    case $job in
+      outliers-kernels) (  # the fused sparse-dense kernel end to end, and the separate-product path for comparison
+        qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 --outliers 1% --calib wikitext2 --data-dir "$D" --device cuda \
+          -o /tmp/q/qoq-g128-outliers1 -q --overwrite > /dev/null 2>&1
+        through_kernels /tmp/q/qoq-g128-outliers1
+        QOQTOOL_FUSED_OUTLIERS=0 timeout 150 qoqtool eval /tmp/q/qoq-g128-outliers1-packed --tasks wikitext2 --data-dir "$D" \
+          --device cuda -q --json "$OUT/eval-qoq-g128-outliers1-packed-unfused.json" 2>&1 | tail -3
+      ) > "$L/kernels-outliers.log" 2>&1 & ;;
+      keyrot-kernels) (
+        qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128-keyrot --calib wikitext2 --data-dir "$D" --device cuda \
+          -o /tmp/q/qoq-w4a8kv4-g128-keyrot -q --overwrite > /dev/null 2>&1
+        through_kernels /tmp/q/qoq-w4a8kv4-g128-keyrot
+        timeout 60 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128-keyrot-packed --steps 32 2>&1 | tail -30
+      ) > "$L/kernels-keyrot.log" 2>&1 & ;;
+      *) echo "unknown job $job"; exit 2 ;;
+    esac
+  done
+  wait
+  tail -n 40 "$L"/*.log
+  exit
+fi
 
 ablation qoq-w4a8kv4-g128 & ablation qoq-w4a8kv4-g64 &
 outliers rtn-w4a16-g128 & outliers qoq-w4a8kv4-g128 & outliers qoq-w4a8kv4-chn &

@@ -4,6 +4,7 @@
 # (the device tool brings them back).
 #
 #   bash benchmarks/gpu_sparse_dense_run.sh [quick]
+#   TESTS=tests TESTS_TIMEOUT=300 bash benchmarks/gpu_sparse_dense_run.sh quick   # every GPU test first
 #
 # The library is prebuilt on the CPU machine into .kbuild (carry it with the call) with
 #   QOQTOOL_KERNEL_CACHE=$PWD/.kbuild python -m qoqtool.kernels.build --jobs 2
@@ -13,21 +14,13 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sparse_dense_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 QOQTOOL_KERNEL_CACHE=$PWD/.kbuild QOQTOOL_FUSED_OUTLIERS=1
-LOG=$OUT/log.txt
-stage() { echo; echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
-
-stage "machine"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
-  --format=csv 2>&1 | tee -a "$LOG"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3 | tee -a "$LOG"
-
-stage "build (a cache hit unless the sources changed)"
-timeout 300 python3 -m qoqtool.kernels.build 2>&1 | tail -3 | tee -a "$LOG"
+export PYTHONUNBUFFERED=1 QOQTOOL_KERNEL_CACHE=$PWD/.kbuild
+source benchmarks/gpu_stages.sh
+setup_machine 300
 
 stage "tests"
-timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short --maxfail=20 \
-  tests/test_sparse_dense_gpu.py tests/test_packing_outliers.py 2>&1 | tee "$OUT/tests.txt" | tail -60
+timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -q -m "gpu and not slow" -p no:cacheprovider --tb=short --maxfail=20 \
+  ${TESTS:-tests/test_sparse_dense_gpu.py tests/test_packing_outliers.py} 2>&1 | tee "$OUT/tests.txt" | tail -60
 TESTS_RC=$?
 
 stage "compute-sanitizer memcheck (fused kernel: split and unsplit, full bucket, NB = 1..8)"

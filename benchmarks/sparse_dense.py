@@ -22,9 +22,10 @@ float64 sparse reference sx * (S xq^T), relative Frobenius error (must be <= 1e-
 
 The Tile-COO sections are built on the GPU by `encode_fast` (same byte format, validated
 with tile_coo.validate in --quick; entries of a bucket in column order instead of
-tile_coo.encode's bank-conflict / slot-colouring arrangement, which only a shared-memory
-activation tile would need: this kernel reads the activations through L1 and adds with
-shared-memory atomics). tile_coo.encode in Python would take ~10 minutes for these shapes.
+tile_coo.encode's bank-conflict / slot-colouring arrangement, which only a kernel gathering
+activations from a shared-memory tile would need: this kernel scatters the entries into a
+dense fp16 tile per bucket and multiplies it on the tensor cores, so entry order does not
+matter to it). tile_coo.encode in Python would take ~10 minutes for these shapes.
 """
 
 from __future__ import annotations

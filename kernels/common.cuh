@@ -51,6 +51,14 @@ __device__ __forceinline__ uint32_t ldg_u32(const void* p) {
   return __ldg(reinterpret_cast<const unsigned int*>(p));
 }
 
+// The same, issued exactly where it is written: a prefetch that the compiler must neither
+// sink to its first use nor move past a wait (volatile asm keeps its place among the others).
+__device__ __forceinline__ uint32_t ldg_u32_now(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // ---------------------------------------------------------------------------------------
 // Shared memory
 // ---------------------------------------------------------------------------------------
@@ -134,6 +142,27 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   }
 }
+// 1-D bulk copy (TMA without a tensor map): `bytes` contiguous bytes global -> shared,
+// completing on `bar` as transaction bytes. dst, src and bytes must be multiples of 16.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// The same with an L2 cache policy (l2_evict_first_policy: bytes read once should not push
+// the reused ones, activations and the other operands, out of L2).
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                              uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 // TMA tile loads: box at the given element coordinates (innermost first) of the tensor
 // map `map` (a __grid_constant__ kernel parameter) into shared memory at `dst`.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint32_t bar) {
@@ -163,6 +192,16 @@ __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const uint32_t (&a)[4]
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D += A (16x16 f16, row) * B (16x8 f16, col), f32 accumulate: a0 (row g, k 2t, 2t+1), a1 (row
+// g+8), a2/a3 the same rows at k 2t+8, 2t+9; b0 (k 2t, 2t+1, col g), b1 (k 2t+8, 2t+9); C as above.
+__device__ __forceinline__ void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 

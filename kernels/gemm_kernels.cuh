@@ -34,6 +34,8 @@
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes via the runtime)
 #include <cudaTypedefs.h>
 
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace qoq::gemm {
@@ -253,122 +255,208 @@ __device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
 // consecutive tiles (U*512 contiguous bytes of W4 per warp) and issues the loads of all U
 // before the first mma, so U 128-bit loads per lane are in flight.
 //
-// OUTLIERS = true is the fused sparse-dense GEMM (issue 8, W4A8): the same CTA also adds the
-// Tile-COO outliers of its row tiles (docs/tile-coo.md), sum_k S[n, k] * xq[m, k] in fp32,
-// before the single write of the output. How:
-//  * Who does a bucket: the warp whose chunk holds the bucket's FIRST k-tile (bucket bk
-//    covers k-tiles 2bk, 2bk + 1). Chunks partition a split's k-tiles and splits partition
-//    all k-tiles, so every bucket is done exactly once whatever the split count, the k-slice
-//    count or U - a bucket that straddles two chunks or two splits is the first one's.
-//  * When: its (start, count) lookups are issued with the chunk's weight loads, its entries
-//    after the chunk's mma. The stream kernel is a weight stream; the outliers ride in the
-//    gaps of that stream, on the warps that hold the matching k range.
-//  * Lanes: the chunk's entries (its buckets' runs one after the other) are dealt one per
-//    lane, 32 at a time, so 32 independent 128-bit entry loads (four fp16 values, four rows,
-//    one column each) are in flight; each lane then takes every token of the CTA for its
-//    entry. (docs/tile-coo.md, section 3, plans lane = 8 * entry + token, which shares one
-//    gather among eight tokens of a shared-memory activation tile; this kernel has no such
-//    tile, and that mapping puts only four loads in flight per warp step.)
-//  * Activations: xq[m, col] is read straight from global memory through L1, one byte per
-//    (entry, token): the same bytes this warp has just loaded through L1 as its B fragments
-//    for the chunk, so the gathers hit L1. The stream kernel stages no activation tile in
-//    shared memory (its B fragments come through L1 too); staging one for the outliers alone
-//    would add a copy and a barrier per chunk for bytes already on chip.
-//  * Sums: value * xq is exact in fp32 (an 11-bit times an 8-bit significand); the products
-//    of real slots (padding slots are skipped) are added with shared-memory atomics into one
-//    fp32 [32 rows x 8NB tokens] array per row tile, which the WK warps of the row tile share.
-//    Lanes of one warp, and warps, may meet on one address (two entries of one row): the
-//    atomics make that correct, only slower.
-//    After a barrier, the k-slice-0 warp reads the sums of the accumulators it holds into
-//    registers; they go through split-K beside the INT32 sums (reduce_splits) and the
-//    epilogue applies sx once: y = sx * (sw * acc + sparse) (store_result_with_outliers).
-//    fp32 atomics add in arrival order: the last bit of a result may vary between runs.
+// OUTLIERS = true is the fused sparse-dense GEMM (issue 8, W4A8): the same warps also add the
+// Tile-COO outliers of their row tile (docs/tile-coo.md), sum_k S[n, k] * xq[m, k], on the
+// tensor cores, before the single write of the output. Per chunk of U k-tiles (U/2 whole
+// buckets: splits and chunks start on even k-tiles, see outlier_split_begin):
+//  * the chunk's entries (its buckets' runs one after the other) are loaded one per lane,
+//    issued right after the chunk's weight loads, so they arrive with them; the (start,
+//    count) lookups they need were fetched one chunk earlier (next_lookup);
+//  * after the dense mma, each lane scatters its entries' fp16 values into a per-warp
+//    shared-memory tile per bucket, [32 rows x 64 k] fp16, otherwise zero (scatter_entry) -
+//    every (row, column) occurs once in a section, so the scattered stores never collide;
+//  * the tile is read back as the A operand of mma.m16n8k16 (fp16 x fp16 -> fp32) with
+//    ldmatrix, and multiplied with the SAME INT8 activation registers the dense mma just used
+//    as its B fragments, converted to fp16 (exact for |x| <= 127). The k order of the tile is
+//    permuted (logical_k) so that the s8 fragment a lane holds is exactly its fp16 fragment;
+//  * the fp32 sums land in registers laid out like the INT32 accumulators (the two mma's C
+//    fragments agree), travel through the k-slice reduction and split-K beside them, and the
+//    epilogue applies sx once: y = sx * (sw * acc + sparse) (store_result_with_outliers);
+//  * the lanes write zeros back where they scattered, so the tile is zero for the next chunk.
+// Cost per bucket and warp: ~2 scattered stores per entry, 8 ldmatrix, 4 x 2NB conversions
+// and 8 NB fp16 mma - independent of how the outliers are spread, with no atomics (the first
+// version's shared-memory fp32 atomics, one per outlier and token, made the kernel 3-6x
+// slower than the dense one at 1%).
 
-// Shared memory of the stream kernel: the k-slice reduction's buffer, and with OUTLIERS the
-// outlier sums [row tile][row][token], whose lifetime ends before the reduction starts.
-template <int NB, int RT, int WK, bool OUTLIERS>
-union StreamShared {
-  int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
-  float sparse[OUTLIERS ? RT * kBucketN * 8 * NB : 1];
-};
+constexpr int kBucketTileBytes = kBucketN * kBucketK * 2;  // one bucket as fp16 [32][64]: 4 KB
 
-// The outliers of one chunk's buckets, at most CB of them (lane b < CB holds bucket bk0 + b's
-// first entry and count; 0 and 0 past the chunk's buckets), for tokens m0 .. m0 + 8NB - 1,
-// added into sums[row * 8NB + token - m0] (shared memory). Every lane of the warp must call this.
-template <int NB, int CB>
-__device__ __forceinline__ void add_outliers(const Params& p, int bk0, int first, int count, int m0, int lane,
-                                             float* sums) {
-  constexpr int kTokens = 8 * NB;
-  // The chunk's entries as one list, bucket after bucket: entry f of the list is entry
-  // base[b] + f of the section, f in [end[b - 1], end[b]).
-  int base[CB], end[CB], total = 0;
+// k-tiles [outlier_split_begin(z), outlier_split_begin(z + 1)) of the fused kernel's split z:
+// whole buckets (pairs of k-tiles), so that no bucket straddles two splits.
+__device__ __forceinline__ int outlier_split_begin(const Params& p, int z) {
+  return min(p.KT, 2 * split_begin(p.NBk, z, p.splits));
+}
+
+// Physical column c of a bucket (0..63) -> its k in the bucket's fp16 A tile. Lane (g, t) holds,
+// in its s8 B register of k-tile c >> 5, half (c >> 4) & 1, the activations at physical
+// 16h + 4t + j (j = 0..3); mma.m16n8k16 wants, in its fp16 B registers, k = 2t, 2t + 1 (b0) and
+// 2t + 8, 2t + 9 (b1). Calling physical 4t + j "k 2t + j" (j < 2) and "k 8 + 2t + j - 2"
+// (j >= 2) makes bytes 0,1 of the s8 register b0 and bytes 2,3 b1: the tile is stored in that k
+// order, and the sum over k does not care.
+__device__ __forceinline__ int logical_k(int c) {
+  const int t = (c >> 2) & 3, j = c & 3;
+  return (c & ~15) + (j < 2 ? 2 * t + j : 8 + 2 * t + j - 2);
+}
+
+// Byte offset of (row, k) in a bucket tile: 128-byte rows whose 16-byte chunks are XOR-swizzled
+// by row & 7, so that ldmatrix's eight row reads of one chunk column hit eight bank groups.
+__device__ __forceinline__ uint32_t tile_offset(int row, int k) {
+  return row * 128 + ((((k >> 3) ^ row) & 7) << 4) + (k & 7) * 2;
+}
+
+// Writes the real slots of one entry into its bucket's tile (or zeros there, to clean up).
+__device__ __forceinline__ void scatter_entry(uint32_t tile, const uint4& e, bool zero) {
+  const int k = logical_k(e.w & (kBucketK - 1));  // byte 12: the bucket-local column
+  const uint32_t real = (e.w >> 8) & 0xF;         // byte 13: which slots hold outliers
 #pragma unroll
-  for (int b = 0; b < CB; ++b) {
-    base[b] = __shfl_sync(0xffffffffu, first, b) - total;
-    total += __shfl_sync(0xffffffffu, count, b);
-    end[b] = total;
+  for (int s = 0; s < 4; ++s) {
+    const int row = (e.z >> (8 * s)) & (kBucketN - 1);  // bytes 8..11 (`&`: stays in the tile)
+    const uint32_t bits = zero ? 0u : ((s < 2 ? e.x : e.y) >> (16 * (s & 1))) & 0xFFFFu;  // bytes 0..7
+    if ((real >> s) & 1) asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(tile + tile_offset(row, k)), "h"(static_cast<unsigned short>(bits)));
   }
-  // Lane l takes entries l, l + 32, ... of the list: 32 independent 128-bit loads in flight
-  // per round (a bucket holds ~5-20 entries at 1%), each lane then walks all the CTA's tokens.
-  for (int f = lane; f < total; f += kWarp) {
+}
+
+// Four INT8 activations (one s8 B register) as two fp16x2 registers, exactly: biased to
+// x + 128 and placed under the exponent of 1024 (0x64XX = 1024 + byte), then 1152 subtracted.
+__device__ __forceinline__ void s8x4_to_f16x2(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  const uint32_t biased = v ^ 0x80808080u;
+  const __half2 offset = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
+  uint32_t a = __byte_perm(biased, 0x64646464u, 0x4140), b = __byte_perm(biased, 0x64646464u, 0x4342);
+  const __half2 ha = __hsub2(*reinterpret_cast<__half2*>(&a), offset), hb = __hsub2(*reinterpret_cast<__half2*>(&b), offset);
+  lo = *reinterpret_cast<const uint32_t*>(&ha);
+  hi = *reinterpret_cast<const uint32_t*>(&hb);
+}
+
+// The (start, count) of the CB buckets of the chunk starting at k-tile kt0 (lane b < CB holds
+// bucket kt0 / 2 + b's; 0 and 0 past the split). Issued a chunk early: only the entries wait.
+template <int CB>
+__device__ __forceinline__ int2 next_lookup(const Params& p, int nt, int kt0, int kt_end, int lane) {
+  int2 r = make_int2(0, 0);
+  const int nbk = kt0 < kt_end ? (min(kt0 + 2 * CB, kt_end) - kt0 + 1) / 2 : 0;
+  if (lane < nbk) r = make_int2(__ldg(p.tc_start + nt * p.NBk + kt0 / 2 + lane), __ldg(p.tc_count + nt * p.NBk + kt0 / 2 + lane));
+  return r;
+}
+
+// One chunk's outliers: CB buckets, entries dealt one per lane (E per lane loaded with the
+// weights; more, at high density, loaded here), scattered, multiplied, cleaned up.
+template <int NB, int CB, int E>
+struct ChunkOutliers {
+  int base[CB], end[CB], total;  // entry f of the chunk list = entry base[b] + f of bucket b's run
+  uint4 e[E];
+
+  __device__ __forceinline__ void load(const Params& p, int2 lookup, int lane) {
+    total = 0;
+#pragma unroll
+    for (int b = 0; b < CB; ++b) {
+      base[b] = __shfl_sync(0xffffffffu, lookup.x, b) - total;
+      total += __shfl_sync(0xffffffffu, lookup.y, b);
+      end[b] = total;
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int f = lane + kWarp * j;
+      e[j] = f < total ? ldg_stream_v4(p.tc_entries + at(f)) : make_uint4(0, 0, 0, 0);  // zero: no real slot
+    }
+  }
+  __device__ __forceinline__ int bucket(int f) const {
     int b = 0;
 #pragma unroll
-    for (int i = 0; i + 1 < CB; ++i) b += f >= end[i];  // ends never decrease: the first bucket ending past f
-    int at = base[0];
+    for (int i = 0; i + 1 < CB; ++i) b += f >= end[i];  // ends never decrease
+    return b;
+  }
+  __device__ __forceinline__ int at(int f) const {
+    const int b = bucket(f);
+    int a = base[0];
 #pragma unroll
-    for (int i = 1; i < CB; ++i) at = b == i ? base[i] : at;  // (a select, not a local-memory index)
-    const uint4 entry = ldg_stream_v4(p.tc_entries + at + f);  // read once: keep it out of L1
-    const int col = (bk0 + b) * kBucketK + (entry.w & 0xFF);    // byte 12: the bucket-local column
-    const uint32_t real = (entry.w >> 8) & 0xF;                 // byte 13: which slots hold outliers
-    const float2 v01 = __half22float2(*reinterpret_cast<const __half2*>(&entry.x));  // slots 0, 1
-    const float2 v23 = __half22float2(*reinterpret_cast<const __half2*>(&entry.y));  // slots 2, 3
-    const float v[4] = {v01.x, v01.y, v23.x, v23.y};
+    for (int i = 1; i < CB; ++i) a = b == i ? base[i] : a;  // a select, not a local-memory index
+    return a + f;
+  }
+
+  // b: the chunk's s8 B fragments (k-tile u = 2 * bucket + half); sparse: the fp32 sums.
+  __device__ __forceinline__ void add(const Params& p, uint32_t scratch, const uint32_t (&b)[2 * CB][NB][2],
+                                      float (&sparse)[2][NB][4], int lane) {
+    if (total == 0) return;  // warp-uniform
+    __syncwarp();            // the previous chunk's clean-up is done before new values land
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      // Tokens are visited in a lane-dependent order, so that the lanes of one atomic hit
-      // different tokens, i.e. mostly different banks, even when their rows agree.
-      float x[8];
+    for (int j = 0; j < E; ++j) scatter_entry(scratch + bucket(lane + kWarp * j) * kBucketTileBytes, e[j], false);
+    for (int f = E * kWarp + lane; f < total; f += kWarp)  // past E per lane: loaded now
+      scatter_entry(scratch + bucket(f) * kBucketTileBytes, ldg_stream_v4(p.tc_entries + at(f)), false);
+    __syncwarp();
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int m = m0 + 8 * nb + (i + lane) % 8;
-        x[i] = m < p.M ? static_cast<float>(__ldg(p.x + static_cast<size_t>(m) * p.Kp + col)) : 0.f;
-      }
+    for (int bk = 0; bk < CB; ++bk) {
+      if (end[bk] == (bk ? end[bk - 1] : 0)) continue;  // an empty bucket (warp-uniform)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int tok = 8 * nb + (i + lane) % 8;
-        if (m0 + tok >= p.M) continue;  // a token past M: nothing to add
+      for (int s = 0; s < 4; ++s) {  // the bucket's four k16 steps: k-tile 2bk + s/2, half s%2
+        uint32_t a[2][4];
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          // Bytes 8..11: the slots' rows (`& 31`: valid rows are < 32, so a damaged section
-          // stays inside shared memory). value * x is exact in fp32.
-          const int row = (entry.z >> (8 * s)) & (kBucketN - 1);
-          if ((real >> s) & 1) atomicAdd(sums + row * kTokens + tok, v[s] * x[i]);
+        for (int blk = 0; blk < 2; ++blk)  // lane l gives row 16blk + l%16 at k 16s + 8(l/16)
+          ldmatrix_x4(a[blk], scratch + bk * kBucketTileBytes + tile_offset(16 * blk + (lane & 15), 16 * s + 8 * (lane >> 4)));
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          uint32_t lo, hi;
+          s8x4_to_f16x2(b[2 * bk + s / 2][nb][s % 2], lo, hi);
+#pragma unroll
+          for (int blk = 0; blk < 2; ++blk) mma_f16_16816(sparse[blk][nb], a[blk], lo, hi);
         }
       }
     }
+    __syncwarp();  // every lane has read the tiles before any lane clears them
+    if (total <= E * kWarp) {
+#pragma unroll
+      for (int j = 0; j < E; ++j) scatter_entry(scratch + bucket(lane + kWarp * j) * kBucketTileBytes, e[j], true);
+    } else {  // entries this lane did not keep: clear the chunk's tiles whole
+      for (int i = lane; i < CB * kBucketTileBytes / 16; i += kWarp)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(scratch + 16 * i), "r"(0));
+    }
+  }
+};
+
+// The k-slice reduction of the stream kernel: WK warps of a row tile hold partial sums of the
+// same outputs in the same registers; a tree through shared memory, laid out
+// [row tile][slot][register][lane] so that every access is one conflict-free word per lane.
+// T is int (the dense sums) or float (the outliers'), carried as bits.
+template <int NB, int RT, int WK, class T>
+__device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int rt, int wk, int lane) {
+  constexpr int kRegs = 2 * NB * 4;
+  auto bits = [](T x) { if constexpr (sizeof(T) == 4 && !std::is_integral_v<T>) return __float_as_int(x); else return x; };
+  auto value = [](int x) { if constexpr (!std::is_integral_v<T>) return __int_as_float(x); else return x; };
+#pragma unroll
+  for (int s = WK / 2; s >= 1; s /= 2) {
+    if (wk >= s && wk < 2 * s) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = bits(v[r / (4 * NB)][(r / 4) % NB][r % 4]);
+    }
+    __syncthreads();
+    if (wk < s) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) v[r / (4 * NB)][(r / 4) % NB][r % 4] += value(red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane]);
+    }
+    __syncthreads();
   }
 }
 
 template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS = false>
 __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const Params p) {
   static_assert((WK & (WK - 1)) == 0, "the k-slice reduction is a tree");
-  static_assert(!OUTLIERS || (U % 2 == 0 && U / 2 <= kWarp), "a chunk starts at most U / 2 buckets, one lane each");
+  static_assert(!OUTLIERS || (U % 2 == 0 && U / 2 <= kWarp), "a chunk holds U / 2 whole buckets, one lookup lane each");
   constexpr int kBytes = kLaneBytes<K>;
-  constexpr int kTokens = 8 * NB;
+  constexpr int CB = U / 2;  // OUTLIERS: buckets per chunk
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   const int rt = warp / WK, wk = warp % WK;
   const int nt = blockIdx.x * RT + rt;
   const int m0 = blockIdx.y * 8 * NB;
-  const int kt_begin = split_begin(p.KT, blockIdx.z, p.splits), kt_end = split_begin(p.KT, blockIdx.z + 1, p.splits);
+  const int kt_begin = OUTLIERS ? outlier_split_begin(p, blockIdx.z) : split_begin(p.KT, blockIdx.z, p.splits);
+  const int kt_end = OUTLIERS ? outlier_split_begin(p, blockIdx.z + 1) : split_begin(p.KT, blockIdx.z + 1, p.splits);
 
-  __shared__ StreamShared<NB, RT, WK, OUTLIERS> sh;
-  float* const sums = sh.sparse + rt * kBucketN * kTokens;  // OUTLIERS: this row tile's outlier sums
+  __shared__ int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
+  extern __shared__ __align__(128) uint8_t stream_dynamic[];  // OUTLIERS: CB bucket tiles per warp
+  const uint32_t scratch = smem_u32(stream_dynamic) + warp * CB * kBucketTileBytes;
   if constexpr (OUTLIERS) {
-    for (int i = threadIdx.x; i < RT * kBucketN * kTokens; i += RT * WK * kWarp) sh.sparse[i] = 0.f;
-    __syncthreads();
+    for (int i = lane; i < CB * kBucketTileBytes / 16; i += kWarp)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(scratch + 16 * i), "r"(0));
   }
 
   int acc[2][NB][4] = {};
+  float sparse[2][NB][4] = {};  // OUTLIERS: the fp32 outlier sums, same (row, token) as acc
   if (nt < p.NT) {
     // B fragment rows: token m0 + 8nb + g. Rows past M re-read row M - 1 (never stored).
     const int8_t* xrow[NB];
@@ -376,19 +464,10 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     for (int nb = 0; nb < NB; ++nb) xrow[nb] = p.x + static_cast<size_t>(min(m0 + 8 * nb + g, p.M - 1)) * p.Kp + 4 * t;
     const uint8_t* wrow = p.qweight + static_cast<size_t>(nt) * p.KT * 32 * kBytes + lane * kBytes;
     const size_t params_row = (static_cast<size_t>(nt) * p.groups) * 32 + 4 * g;  // progressive only
+    int2 lookup{};
+    if constexpr (OUTLIERS) lookup = next_lookup<CB>(p, nt, kt_begin + wk * U, kt_end, lane);
 
     for (int kt0 = kt_begin + wk * U; kt0 < kt_end; kt0 += WK * U) {
-      // OUTLIERS: the buckets whose first k-tile is in this chunk, bk0 .. bk0 + nbk - 1; lane
-      // b looks up bucket bk0 + b now, so the lookups fly with the weight loads below.
-      int bk0 = 0, first = 0, count = 0;
-      if constexpr (OUTLIERS) {
-        bk0 = (kt0 + 1) / 2;
-        const int nbk = (min(kt0 + U, kt_end) + 1) / 2 - bk0;  // 0 .. U / 2
-        if (lane < nbk) {
-          first = __ldg(p.tc_start + nt * p.NBk + bk0 + lane);
-          count = __ldg(p.tc_count + nt * p.NBk + bk0 + lane);
-        }
-      }
       Fragment<K> f[U];
       uint32_t b[U][NB][2];
 #pragma unroll
@@ -407,6 +486,13 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
           b[u][nb][1] = ldg_u32(xrow[nb] + kt * 32 + 16);  // k = 16+4t ..
         }
       }
+      // OUTLIERS: the entries go out right after the weights (their lookups came a chunk ago,
+      // except for the first chunk), and the next chunk's lookups after them.
+      ChunkOutliers<NB, CB, 2> outliers;
+      if constexpr (OUTLIERS) {
+        outliers.load(p, lookup, lane);
+        lookup = next_lookup<CB>(p, nt, kt0 + WK * U, kt_end, lane);
+      }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (kt0 + u < kt_end) {
@@ -418,47 +504,14 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
             for (int nb = 0; nb < NB; ++nb) mma_s8_16832(acc[blk][nb], a[blk], b[u][nb][0], b[u][nb][1]);
         }
       }
-      if constexpr (OUTLIERS) add_outliers<NB, U / 2>(p, bk0, first, count, m0, lane, sums);
+      // (A k-tile past kt_end holds a re-loaded B fragment; its bucket columns hold no outliers.)
+      if constexpr (OUTLIERS) outliers.add(p, scratch, b, sparse, lane);
     }
   }
 
-  // OUTLIERS: once every warp has added its buckets, the k-slice-0 warp of each row tile
-  // takes the sums of the accumulators it holds (same (row, token) as acc[blk][nb][r]).
-  float sparse[2][NB][4];
-  if constexpr (OUTLIERS) {
-    __syncthreads();
-    if (wk == 0) {
-#pragma unroll
-      for (int blk = 0; blk < 2; ++blk)
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-          for (int r = 0; r < 4; ++r)
-            sparse[blk][nb][r] = sums[(16 * blk + g + 8 * (r >> 1)) * kTokens + 8 * nb + 2 * t + (r & 1)];
-    }
-    __syncthreads();  // the k-slice reduction below reuses this shared memory
-  }
-
-  // Reduce the WK k-slices of each row tile: a tree through shared memory, laid out
-  // [row tile][slot][register][lane] so that every access is one conflict-free word per lane.
   if constexpr (WK > 1) {
-    constexpr int kRegs = 2 * NB * 4;
-    int* const red = sh.red;
-#pragma unroll
-    for (int s = WK / 2; s >= 1; s /= 2) {
-      if (wk >= s && wk < 2 * s) {
-#pragma unroll
-        for (int r = 0; r < kRegs; ++r)
-          red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = acc[r / (4 * NB)][(r / 4) % NB][r % 4];
-      }
-      __syncthreads();
-      if (wk < s) {
-#pragma unroll
-        for (int r = 0; r < kRegs; ++r)
-          acc[r / (4 * NB)][(r / 4) % NB][r % 4] += red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane];
-      }
-      __syncthreads();
-    }
+    reduce_k_slices<NB, RT, WK>(acc, red, rt, wk, lane);
+    if constexpr (OUTLIERS) reduce_k_slices<NB, RT, WK>(sparse, red, rt, wk, lane);
   }
 
   const bool holds = wk == 0 && nt < p.NT;  // the k-slice-0 warp of each row tile holds the sums
@@ -619,19 +672,33 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
 #endif  // QOQ_HAS_WGMMA
 }
 
+}  // namespace qoq::gemm
+
+#include "stream_ring.cuh"  // ring_kernel: the stream kernel's work fed by bulk copies (sm_90a)
+
+namespace qoq::gemm {
+
 // ---------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------
 
-enum class KernelId : int { kStream = 0, kWgmma = 1 };
+enum class KernelId : int { kStream = 0, kWgmma = 1, kRing = 2 };
 
 // Stream-kernel shapes by tokens per CTA (8*NB): RT row tiles x WK k-slices = 8 warps;
 // U k-tiles in flight per warp, fewer when the accumulators grow.
+// OUTLIERS: chunks of 4 k-tiles (2 buckets; 8 KB of bucket tiles per warp, 64 KB per CTA) keep
+// the outlier registers and two CTAs per SM within budget at NB <= 2.
 template <Kind K, int NB, bool OUTLIERS = false>
 cudaError_t launch_stream(const Params& p, cudaStream_t stream) {
-  constexpr int RT = 2, WK = 4, U = NB <= 2 ? 8 : (NB == 4 ? 4 : 2), MIN_BLOCKS = NB <= 4 ? 2 : 1;
+  constexpr int RT = 2, WK = 4;
+  constexpr int U = OUTLIERS ? (NB == 8 ? 2 : 4) : (NB <= 2 ? 8 : (NB == 4 ? 4 : 2));
+  constexpr int MIN_BLOCKS = NB <= (OUTLIERS ? 2 : 4) ? 2 : 1;
+  constexpr int kSmem = OUTLIERS ? RT * WK * (U / 2) * kBucketTileBytes : 0;
+  const auto kernel = stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS, OUTLIERS>;
+  // (Static + dynamic shared memory above 48 KB needs the opt-in, whatever the split.)
+  if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);
-  stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS, OUTLIERS><<<grid, RT * WK * kWarp, 0, stream>>>(p);
+  kernel<<<grid, RT * WK * kWarp, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -694,7 +761,7 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
 }
 
 // kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),
-// or wgmma with WGS = tile (1, 2).
+// wgmma with WGS = tile (1, 2), or ring with tile = NB + 8 * shape (stream_ring.cuh).
 template <Kind K>
 cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
@@ -711,6 +778,8 @@ cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
       case 1: return launch_wgmma<K, 1>(p, stream);
       case 2: return launch_wgmma<K, 2>(p, stream);
     }
+  } else if (kernel == static_cast<int>(KernelId::kRing)) {
+    return launch_ring<K>(p, tile, stream);  // tile = NB + 8 * ring shape
   }
   return cudaErrorInvalidValue;
 }

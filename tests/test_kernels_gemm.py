@@ -171,18 +171,27 @@ def test_split_k_counters_reset_under_cuda_graph():
     x_q, x_scale, _ = make_activations(1, k, k)
     assert cuda_ops.plan(1, n // 32, k // 32, *cuda_ops._device_info(0)).splits > 1
     op = torch.ops.qoqtool.w4a8_gemm_per_group
-    op(x_q, x_scale, *packed, n)  # warm up (library, counters) outside the capture
+    replay_with_new_inputs(lambda: op(x_q, x_scale, *packed, n), x_q, x_scale, k)
+
+
+def replay_with_new_inputs(call, x_q, x_scale, k, eager=None):
+    """Captures call() in a CUDA graph (after one eager warm-up call, whose output it returns),
+    then, for three new activation sets copied into x_q / x_scale, checks that each replay
+    equals eager() (default: call() itself, run eagerly) on the same inputs."""
+    first = call()  # warm up (library, counters) outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = op(x_q, x_scale, *packed, n)
+        static_out = call()
     for seed in (2, 3, 4):
-        new_q, new_s, _ = make_activations(1, k, k, seed)
+        new_q, new_s, _ = make_activations(x_q.shape[0], k, x_q.shape[1], seed)
         x_q.copy_(new_q)
         x_scale.copy_(new_s)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(static_out, op(x_q, x_scale, *packed, n))
+        assert torch.equal(static_out, (eager or call)())
+    assert not torch.equal(static_out, first)  # the replays did see the new inputs
+    return static_out
 
 
 # -- GPU: the packed linear's forward pass -----------------------------------------------------------

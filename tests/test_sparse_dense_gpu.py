@@ -198,19 +198,20 @@ def test_custom_ops_and_cuda_graph():
 
 @on_gpu
 @pytest.mark.parametrize("kind,group", KINDS, ids=lambda v: str(v))
-def test_packed_linear_uses_the_fused_kernel_up_to_64_tokens(kind, group, monkeypatch):
-    """PackedLinear with outliers on CUDA: fused (no separate sparse product) for M <= 64, the
-    stopgap above; both agree with its exact reference path."""
+def test_packed_linear_uses_the_fused_kernel_up_to_fused_max_m(kind, group, monkeypatch):
+    """PackedLinear with outliers on CUDA: fused (no separate sparse product) for M <=
+    cuda_ops.FUSED_MAX_M, the separate product above; both agree with its exact reference path."""
     from qoqtool.runtime import packed_linear
 
-    monkeypatch.setattr(cuda_ops, "FUSED_OUTLIERS", True)  # opt-in until measured (QOQTOOL_FUSED_OUTLIERS)
+    monkeypatch.setattr(cuda_ops, "FUSED_OUTLIERS", True)  # the default (QOQTOOL_FUSED_OUTLIERS=0 turns it off)
     w, _, w8, sparse, _ = section(kind, group, N, K, 0.01)
     module = packed_linear.PackedLinear.pack(w, None, 8, outliers=sparse).cuda()
     stopgap_calls = []
     original = packed_linear.PackedLinear._sparse_term
     monkeypatch.setattr(packed_linear.PackedLinear, "_sparse_term",
                         lambda self, ops, x: stopgap_calls.append(x.shape) or original(self, ops, x))
-    for m, fused in ((7, True), (64, True), (65, False)):
+    top = cuda_ops.FUSED_MAX_M
+    for m, fused in ((7, True), (top, True), (top + 1, False)):
         x = torch.randn(m, K, device="cuda", dtype=torch.float16, generator=torch.Generator("cuda").manual_seed(m))
         stopgap_calls.clear()
         with torch.no_grad():
@@ -281,7 +282,7 @@ def test_bad_sections_and_shapes_are_refused_on_the_cpu():
 
 
 def test_which_linears_fuse_their_outliers(monkeypatch):
-    monkeypatch.setattr(cuda_ops, "FUSED_OUTLIERS", False)  # the default until the kernel has run on a GPU
+    monkeypatch.setattr(cuda_ops, "FUSED_OUTLIERS", False)  # QOQTOOL_FUSED_OUTLIERS=0
     assert not cuda_ops.fuses_outliers(SimpleNamespace(kind="progressive", group_size=128, act_bits=8, has_outliers=True), 1)
     monkeypatch.setattr(cuda_ops, "FUSED_OUTLIERS", True)
 

@@ -1,0 +1,15 @@
+# Sourced by the one-call GPU scripts (benchmarks/gpu_*_run.sh) after they set OUT and
+# QOQTOOL_KERNEL_CACHE: a staged log, and the machine / install / library stages they share.
+LOG=$OUT/log.txt
+stage() { echo; echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+
+# The GPU and its clocks, an editable install, the kernel library (a cache hit on a carried
+# .kbuild unless the sources changed): $1 = seconds allowed for the build.
+setup_machine() {
+  stage "machine"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
+    --format=csv 2>&1 | tee -a "$LOG"
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3 | tee -a "$LOG"
+  stage "build (a cache hit unless the sources changed)"
+  timeout "$1" python3 -m qoqtool.kernels.build 2>&1 | tail -3 | tee -a "$LOG"
+}

@@ -1,0 +1,50 @@
+"""Small-M GEMM kernels under Nsight Compute (where the time goes; no timing here).
+
+    ncu --kernel-name regex:"stream_kernel|ring_kernel" --section SpeedOfLight ... \
+        python benchmarks/profile_gemm.py [--n 8192 --k 8192 --m 1]
+
+Runs, twice each, the per-group W4A8 GEMM with the stream plan and with the ring plan (shape
+0), and the per-channel W4A8 and W8A8 GEMMs with the stream plan, on random operands.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from gemm import w4_operands
+
+from qoqtool.runtime import cuda_ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--k", type=int, default=8192)
+    ap.add_argument("--m", type=int, default=1)
+    a = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x_q = torch.randint(-127, 128, (a.m, a.k), dtype=torch.int8, device="cuda", generator=g)
+    x_scale = (torch.rand(a.m, device="cuda", generator=g) + 0.5).half()
+    w = w4_operands(a.n, a.k, "per_group", g)
+    wc = w4_operands(a.n, a.k, "per_channel", g)
+    x_rowsum = x_q.sum(1, dtype=torch.int32)
+    w8 = (torch.randint(-127, 128, (a.n // 32, a.k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
+          (torch.rand(a.n, device="cuda", generator=g) * 1e-3).half())
+    stream = cuda_ops.plan(a.m, a.n // 32, a.k // 32, 132, True, ring=False)
+    ring = cuda_ops.plan(a.m, a.n // 32, a.k // 32, 132, True, ring=True)
+    for label, plan, call in [("per_group stream", stream, lambda: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, a.n)),
+                              ("per_group ring", ring, lambda: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, a.n)),
+                              ("per_channel stream", stream,
+                               lambda: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *wc, a.n)),
+                              ("w8a8 stream", stream, lambda: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w8, a.n))]:
+        cuda_ops.PLAN_OVERRIDE = plan
+        for _ in range(2):
+            call()
+        torch.cuda.synchronize()
+        print(label, plan.name(), flush=True)
+    cuda_ops.PLAN_OVERRIDE = None
+
+
+if __name__ == "__main__":
+    main()
