@@ -37,7 +37,7 @@ import sys
 import warnings
 
 import torch
-from gemm import copies_for, w4_operands
+from gemm import GROUP, copies_for, w4_operands
 from triton.testing import do_bench
 
 from qoqtool.packing import tile_coo
@@ -149,13 +149,26 @@ def time_calls(calls, rep_ms: int) -> tuple[float, bool]:
 
 
 # -- one shape -----------------------------------------------------------------------------------------
+def w4a16_operands(n, k, g):
+    """Random W4A16 operands: UINT4 codes, fp16 group scales, UINT4 zeros (group GROUP)."""
+    nt, groups = n // 32, k // GROUP
+    return (torch.randint(0, 256, (nt, k // 32, 32, 16), dtype=torch.uint8, device="cuda", generator=g),
+            (torch.rand(nt, groups, 32, device="cuda", generator=g) * 2e-2 + 1e-3).half(),
+            torch.randint(0, 16, (nt, groups, 32), dtype=torch.uint8, device="cuda", generator=g))
+
+
+# For kind "w4a16" the activations x_q are fp16 and x_scale is all ones (W4A16 has no token scale).
 def dense_op(kind, n):
+    if kind == "w4a16":
+        return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a16_gemm(x_q, *w, n)
     if kind == "per_group":
         return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n)
     return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *w, n)
 
 
 def fused_op(kind, n):
+    if kind == "w4a16":
+        return lambda x_q, x_scale, x_rowsum, w, tc: torch.ops.qoqtool.w4a16_sparse_dense_gemm(x_q, *w, *tc, n)
     if kind == "per_group":
         return lambda x_q, x_scale, x_rowsum, w, tc: torch.ops.qoqtool.w4a8_sparse_dense_gemm_per_group(
             x_q, x_scale, *w, *tc, n)
@@ -165,15 +178,19 @@ def fused_op(kind, n):
 
 def measure_shape(n, k, ms, densities, patterns, kind, g, rep_ms, check) -> list[dict]:
     copies = max(copies_for(n * k // 2, m) for m in ms)
-    weights = [w4_operands(n, k, kind, g) for _ in range(copies)]
+    weights = [w4a16_operands(n, k, g) if kind == "w4a16" else w4_operands(n, k, kind, g) for _ in range(copies)]
     dense, fused = dense_op(kind, n), fused_op(kind, n)
     wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(2 * n * k, 1))]
     acts = {}
     base = {}
     for m in ms:
-        x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
-        x_scale = (torch.rand(m, device="cuda", generator=g) * 0.02 + 0.01).half()
-        x_rowsum = x_q.sum(1, dtype=torch.int32)
+        if kind == "w4a16":
+            x_q = torch.randn(m, k, device="cuda", generator=g).half()
+            x_scale, x_rowsum = torch.ones(m, device="cuda", dtype=torch.float16), None
+        else:
+            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+            x_scale = (torch.rand(m, device="cuda", generator=g) * 0.02 + 0.01).half()
+            x_rowsum = x_q.sum(1, dtype=torch.int32)
         x16_t = (x_q.float() * x_scale.float()[:, None]).half().to(SPMM_DTYPE).t().contiguous()  # [K, M] for the SpMM
         acts[m] = (x_q, x_scale, x_rowsum, x16_t)
         dense_us, _ = time_calls([lambda w=w: dense(x_q, x_scale, x_rowsum, w) for w in weights], rep_ms)
@@ -261,7 +278,8 @@ def density_curve(rows) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 shapes, M in {1, 16}, 0 and 1%% uniform; sections validated")
-    ap.add_argument("--kind", choices=["per_group", "per_channel"], default="per_group")
+    ap.add_argument("--kind", choices=["per_group", "per_channel", "w4a16"], default="per_group",
+                    help="W4A8 progressive g128 or per-channel, or W4A16 with fp16 group-128 scales")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -371,9 +371,11 @@ struct ChunkOutliers {
     return a + f;
   }
 
-  // b: the chunk's s8 B fragments (k-tile u = 2 * bucket + half); sparse: the fp32 sums.
-  __device__ __forceinline__ void add(const Params& p, uint32_t scratch, const uint32_t (&b)[2 * CB][NB][2],
-                                      float (&sparse)[2][NB][4], int lane) {
+  // b_f16(u, nb, h, lo, hi): the fp16 B registers (k 2t, 2t+1 and 2t+8, 2t+9 of the tile's k
+  // order) of k-tile u (= 2 * bucket + u % 2), token block nb, k16 step h; sparse: the fp32 sums.
+  template <class BF16>
+  __device__ __forceinline__ void add(const Params& p, uint32_t scratch, BF16&& b_f16, float (&sparse)[2][NB][4],
+                                      int lane) {
     if (total == 0) return;  // warp-uniform
     __syncwarp();            // the previous chunk's clean-up is done before new values land
 #pragma unroll
@@ -393,7 +395,7 @@ struct ChunkOutliers {
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
           uint32_t lo, hi;
-          s8x4_to_f16x2(b[2 * bk + s / 2][nb][s % 2], lo, hi);
+          b_f16(2 * bk + s / 2, nb, s % 2, lo, hi);
 #pragma unroll
           for (int blk = 0; blk < 2; ++blk) mma_f16_16816(sparse[blk][nb], a[blk], lo, hi);
         }
@@ -505,7 +507,10 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
         }
       }
       // (A k-tile past kt_end holds a re-loaded B fragment; its bucket columns hold no outliers.)
-      if constexpr (OUTLIERS) outliers.add(p, scratch, b, sparse, lane);
+      if constexpr (OUTLIERS) {
+        outliers.add(p, scratch, [&](int u, int nb, int h, uint32_t& lo, uint32_t& hi) { s8x4_to_f16x2(b[u][nb][h], lo, hi); },
+                     sparse, lane);
+      }
     }
   }
 

@@ -7,6 +7,9 @@ forward pass that uses them.
     qoqtool::w4a8_sparse_dense_gemm_per_group / _per_channel
                                     the two W4A8 GEMMs fused with the linear's fp16 outliers
                                     in Tile-COO (docs/tile-coo.md), stream kernel only
+    qoqtool::w4a16_gemm             fp16 x [M, Kp] * UINT4 W4 with fp16 group scales (small M)
+    qoqtool::w4a16_sparse_dense_gemm
+                                    the same fused with the linear's Tile-COO outliers
     qoqtool::quantize_per_token     fp16 x [M, K] -> (x_q [M, Kp] int8, x_scale [M] fp16, x_rowsum [M] int32)
     qoqtool::rmsnorm_quantize       RMSNorm(x) * weight, then the same
     qoqtool::silu_mul_quantize      silu(gate) * up, then the same
@@ -52,6 +55,11 @@ _SIGNATURES = {
     # ws, sparse_ws, counters, stream
     "qoq_w4a8_sparse_dense_gemm_per_channel": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P,
                                                _P, _P],
+    # tile, splits, x, qweight, scale, zero, out, M, N, Kp, group_shift, ws, float_ws, counters, stream
+    "qoq_w4a16_gemm": [_I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P],
+    # tile, splits, x, qweight, scale, zero, tc_entries, tc_start, tc_count, out, M, N, Kp, group_shift, ws,
+    # float_ws, counters, stream
+    "qoq_w4a16_sparse_dense_gemm": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P],
     # x, M, K, Kp, x_q, x_scale, x_rowsum, stream
     "qoq_quantize_per_token": [_P, _I, _I, _I, _P, _P, _P, _P],
     # x, weight, eps, M, K, Kp, x_q, x_scale, x_rowsum, stream
@@ -289,12 +297,10 @@ def check_w4a8_per_group(x_q, x_scale, qweight, scale0, scale1, zero_x_scale1, o
     _expect("scale1", scale1, torch.uint8, (nt, None, 32))
     groups = scale1.shape[1]
     _expect("zero_x_scale1", zero_x_scale1, torch.uint8, (nt, groups, 32))
-    group_size = kp // groups if groups else 0
-    if groups == 0 or kp % groups or group_size % 32 or (group_size // 32) & (group_size // 32 - 1):
-        raise ValueError(f"{groups} groups over K = {kp}: the group size must be 32 * 2^j (32, 64, 128, ...)")
+    shift = _group_shift(groups, kp)
     _check_rows(out_features, nt)
     _expect_device(x_q=x_q, x_scale=x_scale, qweight=qweight, scale0=scale0, scale1=scale1, zero_x_scale1=zero_x_scale1)
-    return (group_size // 32).bit_length() - 1
+    return shift
 
 
 def check_w4a8_per_channel(x_q, x_scale, x_rowsum, qweight, scale, zero, out_features: int) -> None:
@@ -453,6 +459,81 @@ def run_sparse_dense_gemm(kind: str, *operands: Tensor, tc: tuple[Tensor, Tensor
     _call(_SPARSE_DENSE_ENTRY[kind], p.tile, p.splits, *map(kl.ptr, operands), *map(kl.ptr, tc),
           kl.ptr(out), m, out_features, kp, *tail, *map(_ptr, split), kl.stream_of(x_q))
     return out
+
+
+# -- W4A16 (fp16 activations), small M ---------------------------------------------------------------
+def _group_shift(groups: int, kp: int) -> int:
+    group_size = kp // groups if groups else 0
+    if groups == 0 or kp % groups or group_size % 32 or (group_size // 32) & (group_size // 32 - 1):
+        raise ValueError(f"{groups} groups over K = {kp}: the group size must be 32 * 2^j (32, 64, 128, ...)")
+    return (group_size // 32).bit_length() - 1
+
+
+def check_w4a16(x, qweight, scale, zero, out_features: int) -> int:
+    """Validate the W4A16 operands (x fp16 [M, Kp], zero past K); returns log2(group size / 32)."""
+    _expect("x", x, torch.float16, (None, None))
+    kp = x.shape[1]
+    if kp % 32 or kp == 0:
+        raise ValueError(f"x has {kp} columns; it must be K padded to the group size (the packed k_padded)")
+    _expect("qweight", qweight, torch.uint8, (None, kp // 32, 32, 16))
+    nt = qweight.shape[0]
+    _expect("scale", scale, torch.float16, (nt, None, 32))
+    _expect("zero", zero, torch.uint8, (nt, scale.shape[1], 32))
+    shift = _group_shift(scale.shape[1], kp)
+    _check_rows(out_features, nt)
+    _expect_device(x=x, qweight=qweight, scale=scale, zero=zero)
+    return shift
+
+
+def run_w4a16_gemm(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, out_features: int,
+                   tc: tuple[Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None) -> Tensor:
+    """Validate, plan, launch the W4A16 stream kernel (with the Tile-COO section `tc` fused in,
+    when given). The stream kernel's plan for M; PLAN_OVERRIDE may force its tile and splits."""
+    shift = check_w4a16(x, qweight, scale, zero, out_features)
+    m, kp = x.shape
+    n_tiles = qweight.shape[0]
+    if tc is not None:
+        check_tile_coo(*tc, n_tiles, kp)
+        _expect_device(x=x, tc_entries=tc[0], tc_start=tc[1], tc_count=tc[2])
+    out = _output(x, out, out_features, torch.float16)
+    if m == 0:
+        return out
+    sms, _ = _device_info(x.device.index)
+    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False)
+    if p.kernel != STREAM:
+        raise ValueError("the W4A16 GEMM runs on the stream kernel only")
+    split = _split_buffers(p, m, n_tiles, x.device, partials=(torch.int32, torch.float32))
+    ptrs = (kl.ptr(x), kl.ptr(qweight), kl.ptr(scale), kl.ptr(zero))
+    if tc is None:
+        _call("qoq_w4a16_gemm", p.tile, p.splits, *ptrs, kl.ptr(out), m, out_features, kp, shift, *map(_ptr, split),
+              kl.stream_of(x))
+    else:
+        _call("qoq_w4a16_sparse_dense_gemm", p.tile, p.splits, *ptrs, *map(kl.ptr, tc), kl.ptr(out), m, out_features,
+              kp, shift, *map(_ptr, split), kl.stream_of(x))
+    return out
+
+
+@torch.library.custom_op("qoqtool::w4a16_gemm", mutates_args=())
+def w4a16_gemm(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, out_features: int) -> Tensor:
+    """out[m, n] = fp16(sum_k x[m, k] * (q - z)[n, k] * s[n, k // G]), fp32 accumulation."""
+    return run_w4a16_gemm(x, qweight, scale, zero, out_features)
+
+
+@w4a16_gemm.register_fake
+def _(x, qweight, scale, zero, out_features):
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float16)
+
+
+@torch.library.custom_op("qoqtool::w4a16_sparse_dense_gemm", mutates_args=())
+def w4a16_sparse_dense_gemm(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, tc_entries: Tensor,
+                            tc_start: Tensor, tc_count: Tensor, out_features: int) -> Tensor:
+    """w4a16_gemm + sum_k S[n, k] * x[m, k] (the Tile-COO outliers, fp16 activations), one kernel."""
+    return run_w4a16_gemm(x, qweight, scale, zero, out_features, tc=(tc_entries, tc_start, tc_count))
+
+
+@w4a16_sparse_dense_gemm.register_fake
+def _(x, qweight, scale, zero, tc_entries, tc_start, tc_count, out_features):
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float16)
 
 
 def _gemm_fake(x_q: Tensor, out_features: int) -> Tensor:
@@ -619,24 +700,58 @@ def _quantized_input(x: Tensor, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def fuses_outliers(module, tokens: int) -> bool:
-    """Whether packed_linear_forward applies the module's Tile-COO outliers itself (the fused
-    sparse-dense kernel: W4A8 progressive or per-channel UINT4, at most FUSED_MAX_M tokens).
-    Otherwise the caller adds them (PackedLinear._sparse_term)."""
-    return (FUSED_OUTLIERS and getattr(module, "has_outliers", False) and module.act_bits == 8 and tokens <= FUSED_MAX_M
+    """Whether packed_linear_forward applies the module's Tile-COO outliers itself: W4A16 always
+    (the fused W4A16 kernel, or the reference path above W4A16_MAX_M tokens); W4A8 progressive
+    or per-channel UINT4 at most FUSED_MAX_M tokens (the fused sparse-dense kernel). Otherwise
+    the caller adds them (PackedLinear._sparse_term)."""
+    if not getattr(module, "has_outliers", False):
+        return False
+    if module.act_bits == 16:
+        return module.kind == "uint4" and module.group_size is not None
+    return (FUSED_OUTLIERS and module.act_bits == 8 and tokens <= FUSED_MAX_M
             and (module.kind == "progressive" or (module.kind == "uint4" and module.group_size is None)))
+
+
+# The W4A16 kernel is a weight stream for decode-sized M; larger inputs (prefill, perplexity
+# windows) take the reference path's dequantized matmul.
+W4A16_MAX_M = 64
+
+
+def _w4a16_forward(module, x: Tensor) -> Tensor:
+    if module.kind != "uint4" or module.group_size is None:
+        raise NotImplementedError(f"no kernel for {module.kind} weights with unquantized activations")
+    if x.shape[-1] != module.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the layer takes {module.in_features}")
+    tokens = x.numel() // x.shape[-1]
+    if tokens > W4A16_MAX_M:
+        return module.reference()(x)  # outliers and bias included
+    x2 = x.reshape(tokens, module.in_features).to(torch.float16)
+    x2 = torch.nn.functional.pad(x2, (0, module.k_padded - module.in_features)).contiguous()  # zeros past K
+    n, ops = module.out_features, torch.ops.qoqtool
+    dense = (x2, module.qweight, module.scale, module.zero)
+    if module.has_outliers:
+        y = ops.w4a16_sparse_dense_gemm(*dense, module.tc_entries, module.tc_start, module.tc_count, n)
+    else:
+        y = ops.w4a16_gemm(*dense, n)
+    if module.bias is not None:
+        y = y.float() + module.bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def packed_linear_forward(module, x: Tensor) -> Tensor:
     """y = module(x) on the GPU kernels for a packed linear (qoqtool.runtime.packed_linear).
 
-    x: any leading dims, fp16/bf16/fp32 (quantized from fp16); returns x.dtype. Raises
-    NotImplementedError for formats without a kernel (unquantized activations, UINT4 with
-    float group scales) so that the caller can fall back to the reference path. A module with
-    outliers (`has_outliers`, buffers tc_*) gets them from the fused kernel when
-    `fuses_outliers(module, tokens)`, and not at all otherwise (the caller adds them).
+    x: any leading dims, fp16/bf16/fp32 (W4A8: quantized from fp16; W4A16: multiplied in fp16);
+    returns x.dtype. Raises NotImplementedError for formats without a kernel (W8A16, UINT4 with
+    float group scales and INT8 activations, per-channel UINT4 with unquantized activations) so
+    that the caller can fall back to the reference path. A module with outliers (`has_outliers`,
+    buffers tc_*) gets them from the fused kernel when `fuses_outliers(module, tokens)`, and not
+    at all otherwise (the caller adds them).
     """
+    if module.act_bits == 16:
+        return _w4a16_forward(module, x)
     if module.act_bits != 8:
-        raise NotImplementedError("no kernel for W4A16/W8A16 (unquantized activations)")
+        raise NotImplementedError(f"no kernel for {module.act_bits}-bit activations")
     kind = module.kind
     if kind == "uint4" and module.group_size is not None:
         raise NotImplementedError("no kernel for UINT4 weights with float group scales")

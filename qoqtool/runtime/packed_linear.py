@@ -10,8 +10,10 @@ docs/format.md), so `load_state_dict` fills it straight from the file. The forwa
 A linear with fp16 outliers also holds their Tile-COO section (docs/tile-coo.md) as the
 buffers tc_entries, tc_start, tc_count; the reference path decodes it once and applies
 exactly what `QuantLinear` applies. On CUDA, W4A8 linears (progressive, per-channel UINT4)
-at most `cuda_ops.FUSED_MAX_M` tokens run the fused sparse-dense kernel (the outliers inside
-the dense stream kernel); larger M (the wgmma kernel) and W8A8 still add them after the
+of at most `cuda_ops.FUSED_MAX_M` tokens run the fused sparse-dense kernel (the outliers inside
+the dense stream kernel), W4A16 linears (UINT4, fp16 group scales) of at most
+`cuda_ops.W4A16_MAX_M` tokens the fused W4A16 kernel, larger W4A16 inputs the reference path
+(outliers included); larger W4A8 inputs (the wgmma kernel) and W8A8 still add them after the
 dense kernel (`_sparse_term`, a stopgap). The reference path sees bit for bit the weight (and
 outliers) `qoqtool quantize` wrote, so a packed model on the CPU computes exactly what its
 quantized folder computes.
