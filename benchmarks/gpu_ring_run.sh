@@ -26,9 +26,7 @@ stage "compute-sanitizer memcheck (ring: small split, wrapped ring W8 unsplit, d
 SAN_IDS=$(python3 -m pytest --collect-only -q tests/test_kernels_ring.py 2>/dev/null |
   grep -E 'every_split\[per_group-0-3\]|wraps\[(w8a8-3-1|per_group-4-3)\]|benchmark_shapes\[per_channel-4096-4096-1\]')
 echo "$SAN_IDS" | tee -a "$LOG"
-timeout 75 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 10 \
-  python3 -m pytest -q -p no:cacheprovider --tb=line $SAN_IDS 2>&1 | tee "$OUT/sanitizer.txt" | tail -25
-SAN_RC=$?
+memcheck 75 $SAN_IDS
 
 stage "benchmark: stream vs ring, M <= 32"
 timeout 150 python3 benchmarks/gemm.py --explore-small --json "$OUT/ring.json" 2>&1 | tee "$OUT/bench.txt" | tail -40

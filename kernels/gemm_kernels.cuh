@@ -303,6 +303,11 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int k) {
   return row * 128 + ((((k >> 3) ^ row) & 7) << 4) + (k & 7) * 2;
 }
 
+// Zeroes `bytes` (a multiple of 16) of shared memory from addr, the lanes of a warp side by side.
+__device__ __forceinline__ void zero_shared(uint32_t addr, int bytes, int lane) {
+  for (int i = lane; i < bytes / 16; i += kWarp) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr + 16 * i), "r"(0));
+}
+
 // Writes the real slots of one entry into its bucket's tile (or zeros there, to clean up).
 __device__ __forceinline__ void scatter_entry(uint32_t tile, const uint4& e, bool zero) {
   const int k = logical_k(e.w & (kBucketK - 1));  // byte 12: the bucket-local column
@@ -406,8 +411,7 @@ struct ChunkOutliers {
 #pragma unroll
       for (int j = 0; j < E; ++j) scatter_entry(scratch + bucket(lane + kWarp * j) * kBucketTileBytes, e[j], true);
     } else {  // entries this lane did not keep: clear the chunk's tiles whole
-      for (int i = lane; i < CB * kBucketTileBytes / 16; i += kWarp)
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(scratch + 16 * i), "r"(0));
+      zero_shared(scratch, CB * kBucketTileBytes, lane);
     }
   }
 };
@@ -436,26 +440,49 @@ __device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int 
   }
 }
 
+// Where a thread of a stream-style CTA (RT row tiles x WK warps splitting K, 8 NB tokens; the
+// stream, W4A16 and ring kernels) works: its lane's (g, t) in the mma fragments, its warp's row
+// tile and k slice, the CTA's first token, and the k-tiles of its split - whole buckets
+// (outlier_split_begin) when the kernel adds outliers.
+template <int NB, int RT, int WK, bool OUTLIERS>
+struct StreamThread {
+  int warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end;
+
+  __device__ __forceinline__ explicit StreamThread(const Params& p)
+      : warp(threadIdx.x / kWarp), lane(threadIdx.x % kWarp), g(lane / 4), t(lane % 4), rt(warp / WK), wk(warp % WK),
+        nt(blockIdx.x * RT + rt), m0(blockIdx.y * 8 * NB),
+        kt_begin(OUTLIERS ? outlier_split_begin(p, blockIdx.z) : split_begin(p.KT, blockIdx.z, p.splits)),
+        kt_end(OUTLIERS ? outlier_split_begin(p, blockIdx.z + 1) : split_begin(p.KT, blockIdx.z + 1, p.splits)) {}
+
+  // After the k-slice reduction, the k-slice-0 warp of each row tile holds the sums.
+  __device__ __forceinline__ bool holds_sums(const Params& p) const { return wk == 0 && nt < p.NT; }
+
+  // f(blk, nb, r, m, n) for every accumulator register [blk][nb][r] of the mma C layout: token
+  // m0 + 8nb + 2t + (r & 1), row nt*32 + 16blk + g + 8(r >> 1).
+  template <class F>
+  __device__ __forceinline__ void for_each_output(F&& f) const {
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) f(blk, nb, r, m0 + 8 * nb + 2 * t + (r & 1), nt * 32 + 16 * blk + g + 8 * (r >> 1));
+  }
+};
+
 template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS = false>
 __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const Params p) {
   static_assert((WK & (WK - 1)) == 0, "the k-slice reduction is a tree");
   static_assert(!OUTLIERS || (U % 2 == 0 && U / 2 <= kWarp), "a chunk holds U / 2 whole buckets, one lookup lane each");
   constexpr int kBytes = kLaneBytes<K>;
   constexpr int CB = U / 2;  // OUTLIERS: buckets per chunk
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
-  const int rt = warp / WK, wk = warp % WK;
-  const int nt = blockIdx.x * RT + rt;
-  const int m0 = blockIdx.y * 8 * NB;
-  const int kt_begin = OUTLIERS ? outlier_split_begin(p, blockIdx.z) : split_begin(p.KT, blockIdx.z, p.splits);
-  const int kt_end = OUTLIERS ? outlier_split_begin(p, blockIdx.z + 1) : split_begin(p.KT, blockIdx.z + 1, p.splits);
+  const StreamThread<NB, RT, WK, OUTLIERS> th(p);
+  const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;
 
   __shared__ int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
   extern __shared__ __align__(128) uint8_t stream_dynamic[];  // OUTLIERS: CB bucket tiles per warp
   const uint32_t scratch = smem_u32(stream_dynamic) + warp * CB * kBucketTileBytes;
-  if constexpr (OUTLIERS) {
-    for (int i = lane; i < CB * kBucketTileBytes / 16; i += kWarp)
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(scratch + 16 * i), "r"(0));
-  }
+  if constexpr (OUTLIERS) zero_shared(scratch, CB * kBucketTileBytes, lane);
 
   int acc[2][NB][4] = {};
   float sparse[2][NB][4] = {};  // OUTLIERS: the fp32 outlier sums, same (row, token) as acc
@@ -519,19 +546,13 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     if constexpr (OUTLIERS) reduce_k_slices<NB, RT, WK>(sparse, red, rt, wk, lane);
   }
 
-  const bool holds = wk == 0 && nt < p.NT;  // the k-slice-0 warp of each row tile holds the sums
+  const bool holds = th.holds_sums(p);
   auto visit = [&](auto&& f) {
     if (!holds) return;
-#pragma unroll
-    for (int blk = 0; blk < 2; ++blk)
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int m = m0 + 8 * nb + 2 * t + (r & 1), n = nt * 32 + 16 * blk + g + 8 * (r >> 1);
-          if constexpr (OUTLIERS) f(m, n, acc[blk][nb][r], sparse[blk][nb][r]);
-          else f(m, n, acc[blk][nb][r]);
-        }
+    th.for_each_output([&](int blk, int nb, int r, int m, int n) {
+      if constexpr (OUTLIERS) f(m, n, acc[blk][nb][r], sparse[blk][nb][r]);
+      else f(m, n, acc[blk][nb][r]);
+    });
   };
   if (reduce_splits(p, visit)) {
     if constexpr (OUTLIERS) visit([&](int m, int n, int& v, float& s) { store_result_with_outliers<K>(p, m, n, v, s); });

@@ -80,11 +80,8 @@ __global__ void __launch_bounds__(RingShape<K, SHAPE>::kWarps* kWarp, RingShape<
   extern __shared__ __align__(16) uint8_t ring_smem[];
   __shared__ __align__(8) uint64_t ring_bars[R::kWarps * S];  // [warp][slot]: "slot holds its chunk"
 
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
-  const int rt = warp / WK, wk = warp % WK;
-  const int nt = blockIdx.x * RT + rt;
-  const int m0 = blockIdx.y * 8 * NB;
-  const int kt_begin = split_begin(p.KT, blockIdx.z, p.splits), kt_end = split_begin(p.KT, blockIdx.z + 1, p.splits);
+  const StreamThread<NB, RT, WK, false> th(p);
+  const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;
   // This warp's chunks: i = 0 .. n-1 start at kt_begin + (i * WK + wk) * U (none past NT).
   const int first = kt_begin + wk * U;
   const int n = nt < p.NT && first < kt_end ? ceil_div(kt_end - first, WK * U) : 0;
@@ -107,7 +104,7 @@ __global__ void __launch_bounds__(RingShape<K, SHAPE>::kWarps* kWarp, RingShape<
   // contiguous per row tile: a chunk may straddle groups, and a split need not start on a
   // group (or chunk) boundary.
   auto issue = [&](int i) {
-    const int kt0 = first + i * WK * U, kts = min(U, kt_end - kt0);
+    const int kt0 = first + i * WK * U, kts = min(U, th.kt_end - kt0);  // (th.: a lambda may not capture a structured binding in C++17)
     const uint32_t slot = ring + (i % S) * R::kSlot, bar = bars + 8 * (i % S);
     const uint32_t wbytes = kts * 32 * kBytes;
     uint32_t pbytes = 0;
@@ -199,16 +196,10 @@ __global__ void __launch_bounds__(RingShape<K, SHAPE>::kWarps* kWarp, RingShape<
     reduce_k_slices<NB, RT, WK>(acc, reinterpret_cast<int*>(ring_smem), rt, wk, lane);
   }
 
-  const bool holds = wk == 0 && nt < p.NT;  // the k-slice-0 warp of each row tile holds the sums
+  const bool holds = th.holds_sums(p);
   auto visit = [&](auto&& f) {
     if (!holds) return;
-#pragma unroll
-    for (int blk = 0; blk < 2; ++blk)
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          f(m0 + 8 * nb + 2 * t + (r & 1), nt * 32 + 16 * blk + g + 8 * (r >> 1), acc[blk][nb][r]);
+    th.for_each_output([&](int blk, int nb, int r, int m, int n_) { f(m, n_, acc[blk][nb][r]); });
   };
   if (reduce_splits(p, visit)) visit([&](int m, int n_, int& v) { store_result<K>(p, m, n_, v); });
 #endif  // __CUDA_ARCH__ >= 900

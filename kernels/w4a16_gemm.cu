@@ -75,20 +75,13 @@ __device__ __forceinline__ void w4_group_to_f16_a(const uint4& w, const GroupCon
 template <int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS>
 __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) w4a16_stream_kernel(const Params p) {
   constexpr int CB = U / 2;  // OUTLIERS: buckets per chunk
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
-  const int rt = warp / WK, wk = warp % WK;
-  const int nt = blockIdx.x * RT + rt;
-  const int m0 = blockIdx.y * 8 * NB;
-  const int kt_begin = OUTLIERS ? outlier_split_begin(p, blockIdx.z) : split_begin(p.KT, blockIdx.z, p.splits);
-  const int kt_end = OUTLIERS ? outlier_split_begin(p, blockIdx.z + 1) : split_begin(p.KT, blockIdx.z + 1, p.splits);
+  const StreamThread<NB, RT, WK, OUTLIERS> th(p);
+  const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;
 
   __shared__ int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
   extern __shared__ __align__(128) uint8_t w4a16_dynamic[];  // OUTLIERS: CB bucket tiles per warp
   const uint32_t scratch = smem_u32(w4a16_dynamic) + warp * CB * kBucketTileBytes;
-  if constexpr (OUTLIERS) {
-    for (int i = lane; i < CB * kBucketTileBytes / 16; i += kWarp)
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(scratch + 16 * i), "r"(0));
-  }
+  if constexpr (OUTLIERS) zero_shared(scratch, CB * kBucketTileBytes, lane);
 
   float acc[2][NB][4] = {};  // dense and (OUTLIERS) outlier products alike
   if (nt < p.NT) {
@@ -148,17 +141,11 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) w4a16_stream_kernel
 
   if constexpr (WK > 1) reduce_k_slices<NB, RT, WK>(acc, red, rt, wk, lane);
 
-  const bool holds = wk == 0 && nt < p.NT;
+  const bool holds = th.holds_sums(p);
   auto visit = [&](auto&& f) {
     if (!holds) return;
     int no_int_sum = 0;  // reduce_splits' INT32 partials: unused here
-#pragma unroll
-    for (int blk = 0; blk < 2; ++blk)
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          f(m0 + 8 * nb + 2 * t + (r & 1), nt * 32 + 16 * blk + g + 8 * (r >> 1), no_int_sum, acc[blk][nb][r]);
+    th.for_each_output([&](int blk, int nb, int r, int m, int n) { f(m, n, no_int_sum, acc[blk][nb][r]); });
   };
   if (reduce_splits(p, visit)) {
     visit([&](int m, int n, int&, float& v) {

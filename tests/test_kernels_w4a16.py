@@ -15,13 +15,12 @@ import pytest
 import torch
 from test_kernels_gemm import on_gpu
 from test_kernels_ring import forced
-from test_sparse_dense_gpu import random_outliers
+from test_sparse_dense_gpu import random_outliers, stream_plan
 
 from qoqtool.packing import tile_coo
 from qoqtool.packing.layout import pack_group_params, pack_w4, pad_rows, padded_rows
 from qoqtool.quantizers.formats import UInt4Weight, padded_size
 from qoqtool.runtime import cuda_ops
-from qoqtool.runtime.cuda_ops import STREAM, Plan
 
 REL_TOL = 1e-3
 N, K = 1000, 600  # 31 full row tiles + 8 rows; K padded to the group
@@ -53,10 +52,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def nb_for(m: int) -> int:
-    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
-
-
 @on_gpu
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 33, 64])
@@ -66,7 +61,7 @@ def test_w4a16_matches_the_float_reference(group, m, splits):
     x = make_x(m, K, w.codes.shape[1])
     ref = x[:, :K].double() @ w.dequantize().double().t()
     out = torch.full((m, N), float("nan"), dtype=torch.float16, device="cuda")  # poisoned
-    with forced(Plan(STREAM, nb_for(m), splits)):
+    with forced(stream_plan(m, splits)):
         cuda_ops.run_w4a16_gemm(x, *packed, N, out=out)
     assert torch.isfinite(out).all(), "some outputs were not written"
     assert rel_err(out, ref) <= REL_TOL
@@ -87,7 +82,7 @@ def test_w4a16_sparse_dense_matches_dense_plus_sparse(group, m, splits, density)
     extra = x[:, :K].double() @ sparse.to_dense().cuda().double().t()
     assert extra.norm() > 10 * REL_TOL * (dense + extra).norm(), "the sparse term is too small to be checked"
     out = torch.full((m, N), float("nan"), dtype=torch.float16, device="cuda")
-    with forced(Plan(STREAM, nb_for(m), splits)):
+    with forced(stream_plan(m, splits)):
         cuda_ops.run_w4a16_gemm(x, *packed, N, tc=tuple(t.cuda() for t in (tc.entries, tc.start, tc.count)), out=out)
     assert torch.isfinite(out).all()
     assert rel_err(out, dense + extra) <= REL_TOL

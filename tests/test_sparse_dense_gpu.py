@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_kernels_gemm import HAS_CUDA, make_activations, make_weight, misaligned, on_gpu
+from test_kernels_gemm import make_activations, make_weight, misaligned, on_gpu
 
 from qoqtool.packing import tile_coo
 from qoqtool.quantizers.outliers import SparseOutliers
@@ -110,8 +110,7 @@ def run_fused(kind, packed, tc, x_q, x_scale, x_rowsum, n) -> torch.Tensor:
 
 
 def stream_plan(m: int, splits: int) -> cuda_ops.Plan:
-    nb = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
-    return cuda_ops.Plan(cuda_ops.STREAM, nb, splits)
+    return cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits)
 
 
 def check_fused(kind, group, m, n, k, density, splits, monkeypatch, **pattern) -> None:

@@ -159,12 +159,17 @@ def check_plan(p: Plan, k_tiles: int) -> None:
         raise ValueError(f"{p.splits} K splits for {k_tiles} k-tiles: between 1 and {most}")
 
 
+def stream_tile(m: int) -> int:
+    """NB of the stream kernel for M tokens: 8 NB tokens per CTA (see plan)."""
+    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+
+
 def plan_ring(m: int, n_tiles: int, k_tiles: int, sms: int) -> Plan:
     """The ring kernel's plan: NB as the stream kernel's, shape RING_SHAPE, and K split only
     until every multiprocessor has a CTA (a split adds a round trip through the workspace;
     one CTA of 8 warps already keeps 64 KB of weights in flight), never below one full
     chunk per warp."""
-    nb = 1 if m <= 8 else 2 if m <= 16 else 4
+    nb = min(stream_tile(m), 4)  # the ring kernel is built for NB <= 4 (M <= 32)
     _, wk, u, _ = RING_SHAPES[RING_SHAPE]
     tiles = Plan(RING, ring_tile(nb), 1).grid_tiles(m, n_tiles)
     splits = math.ceil(0.9 * sms / tiles)
@@ -194,7 +199,7 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, ring: bool 
     if hopper and m <= RING_MAX_M and (USE_RING if ring is None else ring):
         return plan_ring(m, n_tiles, k_tiles, sms)
     if m < _WGMMA_MIN_M or not hopper:
-        nb = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+        nb = stream_tile(m)
         p = Plan(STREAM, nb, 1)
         target = _STREAM_CTAS_PER_SM[nb] * sms
         full_chunks = max(1, k_tiles // (_STREAM_WARPS_K * _STREAM_CHUNK[nb]))
@@ -428,6 +433,17 @@ _SPARSE_DENSE_ENTRY = {"per_group": "qoq_w4a8_sparse_dense_gemm_per_group",
                        "per_channel": "qoq_w4a8_sparse_dense_gemm_per_channel"}
 
 
+def _stream_only_plan(m: int, n_tiles: int, kp: int, device, what: str) -> tuple[Plan, list[Tensor | None]]:
+    """For the GEMMs that exist only on the stream kernel (fused sparse-dense, W4A16): its plan
+    as on a GPU without wgmma (PLAN_OVERRIDE may force tile and splits, not another kernel), and
+    the split-K buffers: INT32 workspace, fp32 partials, counters."""
+    sms, _ = _device_info(device.index)
+    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False)
+    if p.kernel != STREAM:
+        raise ValueError(f"{what} runs on the stream kernel only")
+    return p, _split_buffers(p, m, n_tiles, device, partials=(torch.int32, torch.float32))
+
+
 def run_sparse_dense_gemm(kind: str, *operands: Tensor, tc: tuple[Tensor, Tensor, Tensor], out_features: int,
                           out: Tensor | None = None) -> Tensor:
     """Validate, plan, launch the fused W4A8 + Tile-COO GEMM; the custom ops below call this.
@@ -450,12 +466,7 @@ def run_sparse_dense_gemm(kind: str, *operands: Tensor, tc: tuple[Tensor, Tensor
     out = _output(x_q, out, out_features, torch.float16)
     if m == 0:
         return out
-    sms, _ = _device_info(x_q.device.index)
-    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False)
-    if p.kernel != STREAM:
-        raise ValueError("the fused sparse-dense GEMM runs on the stream kernel only")
-    # workspace, fp32 outlier partials, counters
-    split = _split_buffers(p, m, n_tiles, x_q.device, partials=(torch.int32, torch.float32))
+    p, split = _stream_only_plan(m, n_tiles, kp, x_q.device, "the fused sparse-dense GEMM")
     _call(_SPARSE_DENSE_ENTRY[kind], p.tile, p.splits, *map(kl.ptr, operands), *map(kl.ptr, tc),
           kl.ptr(out), m, out_features, kp, *tail, *map(_ptr, split), kl.stream_of(x_q))
     return out
@@ -498,11 +509,7 @@ def run_w4a16_gemm(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, out_
     out = _output(x, out, out_features, torch.float16)
     if m == 0:
         return out
-    sms, _ = _device_info(x.device.index)
-    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False)
-    if p.kernel != STREAM:
-        raise ValueError("the W4A16 GEMM runs on the stream kernel only")
-    split = _split_buffers(p, m, n_tiles, x.device, partials=(torch.int32, torch.float32))
+    p, split = _stream_only_plan(m, n_tiles, kp, x.device, "the W4A16 GEMM")
     ptrs = (kl.ptr(x), kl.ptr(qweight), kl.ptr(scale), kl.ptr(zero))
     if tc is None:
         _call("qoq_w4a16_gemm", p.tile, p.splits, *ptrs, kl.ptr(out), m, out_features, kp, shift, *map(_ptr, split),
@@ -733,9 +740,15 @@ def _w4a16_forward(module, x: Tensor) -> Tensor:
         y = ops.w4a16_sparse_dense_gemm(*dense, module.tc_entries, module.tc_start, module.tc_count, n)
     else:
         y = ops.w4a16_gemm(*dense, n)
+    return _with_bias(module, y, x)
+
+
+def _with_bias(module, y: Tensor, x: Tensor) -> Tensor:
+    """The kernel's [tokens, N] output + the bias (in fp32, as the reference path adds it), in
+    x's dtype and leading shape."""
     if module.bias is not None:
         y = y.float() + module.bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return y.to(x.dtype).reshape(*x.shape[:-1], module.out_features)
 
 
 def packed_linear_forward(module, x: Tensor) -> Tensor:
@@ -775,6 +788,4 @@ def packed_linear_forward(module, x: Tensor) -> Tensor:
         y = fused(*operands, module.tc_entries, module.tc_start, module.tc_count, n)
     else:
         y = dense(*operands, n)
-    if module.bias is not None:
-        y = y.float() + module.bias.float()  # as the reference path adds it: in fp32
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return _with_bias(module, y, x)
