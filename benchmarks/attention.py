@@ -39,6 +39,7 @@ FORMATS = (4, 8, 16)
 PAGE_SIZE = 64
 ROTATE_BYTES = 256 << 20  # every timed graph reads >= 4x the L2
 MAX_COPIES = 32
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)  # --sweep: forced split counts at B = 1 and 16
 
 
 def bench_us(calls: list) -> float:
@@ -139,10 +140,20 @@ def run_shape(batch, length, q_heads, kv_heads, head_dim, gen, sweep: bool) -> d
         if sweep and bits == 4:
             row["kv4_sweep"] = {s: bench_us([case.call(q, full, length, copy=c, splits=force_splits(length, s))
                                              for c in range(len(case.tables))])
-                                for s in (1, 2, 4, 8, 16, 32)}
+                                for s in SWEEP_SPLITS}
         del case
     torch.cuda.empty_cache()
     return row
+
+
+def profile_case(gen: torch.Generator, batch=16, length=4096, heads=32, head_dim=128) -> None:
+    k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=torch.float16) for _ in range(2))
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.float16)
+    full = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    case = PagedCase(4, k, v, 1, gen)
+    for _ in range(20):
+        case.call(q, full, length)()
+    torch.cuda.synchronize()
 
 
 def markdown(rows: list[dict]) -> str:
@@ -174,10 +185,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--quick", action="store_true", help="B=16, L=4096 only")
-    parser.add_argument("--sweep", action="store_true", help="also time KV4 at forced split counts (L=4096)")
+    parser.add_argument("--sweep", action="store_true", help="also time KV4 at forced split counts (B=1, 16)")
+    parser.add_argument("--profile", action="store_true",
+                        help="only call KV4 decode at B=16, L=4096, 32/32 heads 20 times (to run under ncu)")
     args = parser.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
+    if args.profile:
+        profile_case(gen)
+        return
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}", flush=True)
     rows = []
@@ -185,7 +201,7 @@ def main(argv=None) -> None:
     for q_heads, kv_heads, head_dim in SHAPES:
         for batch, length in grid:
             start = time.time()
-            sweep = args.sweep and length == 4096 and batch < 64 and (q_heads, kv_heads) in ((32, 32), (32, 8))
+            sweep = args.sweep and batch < 64
             row = run_shape(batch, length, q_heads, kv_heads, head_dim, gen, sweep)
             rows.append(row)
             print(f"{q_heads}/{kv_heads} d{head_dim} B={batch} L={length}: SDPA {row['sdpa_us']:.1f} µs, "

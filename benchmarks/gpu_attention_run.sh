@@ -5,7 +5,8 @@
 # Everything is logged to $OUT/log.txt; benchmark tables to $OUT/results.{md,json}.
 #
 #   here:  QOQTOOL_KERNEL_CACHE=.kbuild QOQTOOL_KERNEL_SOURCES=kv_attention python -m qoqtool.kernels.build
-#   there: bash benchmarks/gpu_attention_run.sh     (carry .kbuild)
+#   there: bash benchmarks/gpu_attention_run.sh     (carry .kbuild; BENCH_ARGS=--sweep adds the
+#          split-count sweep; PROFILE=1 an ncu profile of KV4 at B=16, L=4096 to $OUT/ncu.txt)
 set -o pipefail
 OUT=${OUT:-/tmp/qoq-attention}
 mkdir -p "$OUT"
@@ -42,5 +43,11 @@ print('kernels:', build.library_path())
   stage gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_attention.py -rs
   stage memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py -k memcheck_case
-  stage benchmark 300 python3 benchmarks/attention.py --out "$OUT"
+  stage benchmark 360 python3 benchmarks/attention.py --out "$OUT" ${BENCH_ARGS:-}
+  if [ -n "${PROFILE:-}" ]; then
+    stage profile 180 /usr/local/cuda/bin/ncu --clock-control none -k regex:decode_kernel --launch-skip 5 \
+      --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+      --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
+      --log-file "$OUT/ncu.txt" python3 benchmarks/attention.py --profile
+  fi
 } 2>&1 | tee "$OUT/log.txt"

@@ -41,31 +41,47 @@
 // the same layout in torch (the CPU reference, and the bit-exact test of the append kernel).
 //
 // ---- Decode ---------------------------------------------------------------------------------
-// One CTA of 4 warps per (context split, kv head, sequence). The query heads that share the
-// kv head (up to 16) are the M rows of the mma, so K and V are read once for all of them.
+// One CTA of 4 warps per (context split, kv head, sequence). The products run transposed,
+//     S^T = K Q^T  and  O^T = V^T P^T,
+// so that the cache supplies the mma's A operand (16 rows: tokens for S^T, head dims for O^T)
+// and the query heads that share the kv head are its N columns (8 per tile; up to 16 heads,
+// HT = 1 or 2 tiles): K and V are read once for all of them, and a kv head with one query
+// head (MHA) wastes 7 of 8 columns instead of 15 of 16 rows. The layout above was made for
+// the untransposed products, yet a lane's K registers of a block's two 8-token tiles are
+// exactly its A fragment of the 16 tokens, and its V registers exactly its A fragments of
+// V^T, so the transposition costs no data movement; only P^T is moved, from the C fragment
+// of S^T (token rows) into the B fragment of the P.V mma (movmatrix, 2 per block and tile).
 // The split's 16-token blocks are taken in warp steps of NB blocks (DecodeTiling; one online
 // softmax update per step), warp w taking every 4th step through its own ring of cp.async
 // stages in shared memory; each lane copies 16-byte units, so a block costs a few copy
 // instructions and no registers until it is used. Page lookups are shifts (page sizes are
 // powers of two) and are fetched a step early.
-// Scores stay exact with respect to the dequantized cache: the mma multiplies the query by
-// the codes, and the token's scale and zero are applied in fp32 afterwards,
-//     q . (c * s + z) = s * (q . c) + z * sum(q).
+// Scores stay exact with respect to the dequantized cache: the mma multiplies the codes by the
+// query, and the token's scale and zero are applied in fp32 afterwards,
+//     (c * s + z) . q = s * (c . q) + z * sum(q).
 // The K codes even stay magic-biased (one LOP3 per two codes; see unpack_k_u4): the bias is a
-// per-query constant removed in fp32. V is dequantized to fp16 (one HFMA2 per two values) and
-// multiplied by P in fp16 with fp32 accumulation, as FlashAttention does; together with the
-// fp16 query that is ~3e-4 relative error against fp32 attention over the same cache.
+// per-query constant that the mma chain starts from (C = -bias). V is not dequantized either:
+//     sum_t p_t v_t = sum_t (p_t s_t)(c_t - 8) + sum_t p_t (z_t + 8 s_t),
+// the mma multiplies the centred codes (one LOP3 and one HSUB2 per two) by p * s, formed in
+// fp32 and rounded to fp16 once, like P in FlashAttention, with fp32 accumulation; the second
+// sum is fp32 arithmetic per token. Together with the fp16 query that is ~3e-4 relative
+// error against fp32 attention over the same cache, at any context length (attend_step also
+// keeps p * s clear of fp16 subnormals whatever the magnitude of V).
 // Warps are merged through shared memory; with several splits each writes (max, sum,
-// unnormalized output) and a second small kernel combines them (flash-decoding). The host
-// chooses the split count and NB (qoqtool/runtime/attention_ops.py).
+// unnormalized output) and the last split of each (sequence, kv head) to finish combines them
+// (flash-decoding in one launch; last_to_finish). The host chooses the split count and NB
+// (qoqtool/runtime/attention_ops.py).
 //
 // Measured design history (benchmarks/RESULTS.md): the first version (16-token steps, page
 // lookups by integer division, K codes unbiased by two more ops per pair) issued ~500
 // instructions per block and reached only ~2.2 TB/s of KV4 reads on the H200: bound by
-// instruction issue, not memory (KV8, the same work per block, reached 3.5-4.1 TB/s).
+// instruction issue, not memory (KV8, the same work per block, reached 3.5-4.1 TB/s). The
+// second (heads as mma rows, V dequantized to fp16, a separate combine kernel) issued ~500
+// per block at B = 16 and reached 2.4 TB/s; this one issues ~330 (ncu) and 3.2-4.3 TB/s.
 #include <cuda_bf16.h>
 #include <math.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "kv_common.cuh"
@@ -102,15 +118,18 @@ struct CacheLayout {
 // The decode kernel's tiling: a warp step is NB blocks (one softmax update per 16 * NB tokens:
 // NB = 2 halves the per-token bookkeeping, NB = 1 needs fewer registers, so more warps fit);
 // each warp keeps a ring of kStages steps in shared memory, about 13 KB, so that up to 4 CTAs
-// of 4 warps fit in the SM's 227 KB (registers allow 3 or 4: kMinCtas).
+// of 4 warps fit in the SM's 227 KB (registers allow 2 to 4: min_ctas).
 template <int BITS, int D, int NB>
 struct DecodeTiling {
   static constexpr int kStageBytes = NB * CacheLayout<BITS, D>::kStageBlockBytes;
   static constexpr int kStages = 13312 / kStageBytes < 2 ? 2 : (13312 / kStageBytes > 8 ? 8 : 13312 / kStageBytes);
-  // CTAs per SM the register budget must allow, from ptxas's reports (-Xptxas -v): the
-  // largest count without spills.
-  static constexpr int kMinCtas = D == 64 || (BITS == 4 && NB == 1) ? 4 : (BITS == 16 ? 1 : 3);
 };
+
+// CTAs per SM the decode kernel's register budget must allow with HT head tiles, from
+// ptxas's reports (-Xptxas -v): the largest count without spills (4 leave 128 registers).
+constexpr int min_ctas(int bits, int d, int ht) {
+  return d == 64 || (ht == 1 && bits < 16) ? 4 : (ht == 1 ? 3 : (bits == 16 ? 2 : 3));
+}
 
 // Where byte `cb` of lane `lane`'s fragment (LANE_BYTES long) lies inside its tile.
 template <int LANE_BYTES>
@@ -141,14 +160,13 @@ __device__ __forceinline__ void read_fragment(const uint8_t* tile, int lane, uin
 // ---- Codes to fp16 operands -------------------------------------------------------------------
 constexpr uint32_t kHalf2_1024 = 0x64006400;     // fp16 1024.0 twice; its mantissa LSB is 1.0
 constexpr uint32_t kHalf2_16th = 0x2C002C00;     // 1/16
-constexpr uint32_t kHalf2_minus64 = 0xD400D400;  // -64
 constexpr float kMagic = 1024.f;
 
-// K codes as the B operand of Q K^T, left biased: one LOP3 (or PRMT) per two codes.
+// K codes as the A operand of K Q^T, left biased: one LOP3 (or PRMT) per two codes.
 // KV4, word w -> registers 4w..4w+3 = nibbles (k, k + 4): 0x6400 | q is fp16 1024 + q, and
 // 0x6400 | q << 4 is 1024 + 16q (registers 1 and 3). The query's dims that meet the 16q
-// registers are pre-divided by 16, so q'.codes = 1024 sum(q') + q.c: the kernel subtracts
-// 1024 sum(q') from the score in fp32 (QueryFrags::bias), exact up to fp32 rounding.
+// registers are pre-divided by 16, so codes.q' = 1024 sum(q') + c.q: the mma chain starts
+// from -1024 sum(q') (QueryFrags::c0), with fp32 accumulation.
 // KV8: PRMT places byte b under 0x64: 1024 + b.
 __device__ __forceinline__ void unpack_k_u4(uint32_t w, uint32_t* r) {
   const uint32_t w8 = w >> 8;
@@ -163,23 +181,31 @@ __device__ __forceinline__ void unpack_k_u8(uint32_t w, uint32_t* r) {
   r[1] = byte_perm(w, 0x64646464, 0x4342);
 }
 
-// V codes, exact (0..15 or 0..255) in fp16, to be scaled per token: the bias must go here,
-// since each register pairs two tokens of different scales. One more HSUB2 (or an exact
-// HFMA2 by 1/16, -64) per two codes.
+// V codes in fp16, exact and centred (c - 8, or c - 128 for KV8): the kernel multiplies them
+// by p * scale and adds sum(p * (zero + 8 scale)) apart (attend_step); centred codes keep that
+// fp32 accumulator a signed sum of about the output's size rather than a large positive one
+// that the zero-point term would cancel. The bias must go here, since each register pairs two
+// tokens: one more HSUB2 (or an exact HFMA2 by 1/16, -72) per two codes.
+constexpr uint32_t kHalf2_1032 = 0x64086408;     // 1024 + 8
+constexpr uint32_t kHalf2_1152 = 0x64806480;     // 1024 + 128
+constexpr uint32_t kHalf2_minus72 = 0xD480D480;  // -64 - 8
+template <int BITS>
+constexpr float kCodeMid = BITS == 4 ? 8.f : 128.f;  // what the V codes are centred on
+
 __device__ __forceinline__ void unpack_v_u4(uint32_t w, uint32_t* r) {
   uint32_t b[4];
   unpack_k_u4(w, b);
-  r[0] = as_u32(__hsub2(as_half2(b[0]), as_half2(kHalf2_1024)));
-  r[1] = as_u32(__hfma2(as_half2(b[1]), as_half2(kHalf2_16th), as_half2(kHalf2_minus64)));
-  r[2] = as_u32(__hsub2(as_half2(b[2]), as_half2(kHalf2_1024)));
-  r[3] = as_u32(__hfma2(as_half2(b[3]), as_half2(kHalf2_16th), as_half2(kHalf2_minus64)));
+  r[0] = as_u32(__hsub2(as_half2(b[0]), as_half2(kHalf2_1032)));
+  r[1] = as_u32(__hfma2(as_half2(b[1]), as_half2(kHalf2_16th), as_half2(kHalf2_minus72)));
+  r[2] = as_u32(__hsub2(as_half2(b[2]), as_half2(kHalf2_1032)));
+  r[3] = as_u32(__hfma2(as_half2(b[3]), as_half2(kHalf2_16th), as_half2(kHalf2_minus72)));
 }
 
 __device__ __forceinline__ void unpack_v_u8(uint32_t w, uint32_t* r) {
   uint32_t b[2];
   unpack_k_u8(w, b);
-  r[0] = as_u32(__hsub2(as_half2(b[0]), as_half2(kHalf2_1024)));
-  r[1] = as_u32(__hsub2(as_half2(b[1]), as_half2(kHalf2_1024)));
+  r[0] = as_u32(__hsub2(as_half2(b[0]), as_half2(kHalf2_1152)));
+  r[1] = as_u32(__hsub2(as_half2(b[1]), as_half2(kHalf2_1152)));
 }
 
 // A fragment's words -> its fp16-pair registers (fp16 entries are already registers).
@@ -202,52 +228,53 @@ struct DecodeParams {
   const int* context_lens;  // [seqs]
   float* partial_acc;       // [seqs, q_heads, num_splits, D] unnormalized outputs (num_splits > 1)
   float2* partial_ml;       // [seqs, q_heads, num_splits]: (max, sum), scores in log2 units
+  int* tickets;             // [seqs, kv_heads], zero between launches (num_splits > 1)
   int num_q_heads, num_kv_heads, page_size, page_shift, max_pages, num_pages;  // page_size = 16 << page_shift
   int64_t head_bytes, page_bytes;
   int num_splits, blocks_per_split;
   float scale_log2;  // softmax scale * log2(e): exp2 of scaled scores is the softmax numerator
 };
 
-// The online-softmax state of one warp: rows g and g + 8 of the mma are query heads.
-template <int D, int ROWS>
+// The online-softmax state of one warp. The mma's N (8 columns) are query heads: lane (g, t)
+// holds heads 8n + 2t + e of head tile n (HT tiles of 8 heads) and, of the output O^T, dims
+// 16i + g (+ 8).
+template <int D, int HT>
 struct SoftmaxState {
-  float m[ROWS / 8];                // running max (log2 units), equal across the row's 4 lanes
-  float l[ROWS / 8];                // running sum of this lane's terms
-  float acc[D / 8][2 * (ROWS / 8)]; // O fragment: [n-tile j][2r + e] = row g + 8r, dim 8j + 2t + e
+  float m[HT][2];   // running max per head (log2 units), equal across the lanes of a head
+  float l[HT][2];   // running sum of this lane's terms p
+  float zl[HT][2];  // running sum of this lane's p * (V zero): the zero-point part of P.V
+  float g;          // the power of two that P * (V scale) is multiplied by (KV4/KV8; warp-uniform)
+  // O^T fragments [m-tile i][head tile n]: [e] = dim 16i + g, head 8n + 2t + e; [2 + e] = dim
+  // 16i + 8 + g; times g.
+  float acc[D / 16][HT][4];
 };
 
-// The group's queries as the A operand of Q K^T, and what the scores need besides.
-template <int D, int ROWS>
+// The group's queries as the B operand of S^T = K Q^T, and what the scores need besides.
+template <int D, int HT>
 struct QueryFrags {
-  uint32_t a[D / 16][4];  // a0: row g, a1: row g + 8, a2/a3: the same rows, dims + 8
-  float sum[ROWS / 8];    // sum(q) per row: the zero-point term
-  float bias[ROWS / 8];   // 1024 * sum(q'): the magic bias of the K codes
+  uint32_t b[HT][D / 16][2];  // head 8n + g, dims 16ks + 2t (+1) in b0, the same + 8 in b1
+  float sum_log2[HT][2];      // sum(q) * scale_log2 of heads 8n + 2t + e: the zero-point term
+  float c0[HT][4];            // each tile's first C: -1024 sum(q') of heads 8n + 2t + (0, 1, 0, 1)
 };
 
-template <int BITS, int D, int ROWS>
-__device__ __forceinline__ void load_query(QueryFrags<D, ROWS>& qf, const half* q, int group, int lane) {
-  constexpr int RH = ROWS / 8;
+template <int BITS, int D, int HT>
+__device__ __forceinline__ void load_query(QueryFrags<D, HT>& qf, const half* q, int group, float scale_log2,
+                                           int lane) {
   const int gid = lane / 4, tig = lane % 4;
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
+  for (int n = 0; n < HT; ++n) {
+    float sum = 0.f, biased = 0.f;  // of head 8n + g, over this lane's dims
+    const int head = 8 * n + gid;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) qf.a[ks][i] = 0u;
-  }
+    for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
-  for (int r = 0; r < RH; ++r) {
-    float sum = 0.f, biased = 0.f;
-    const int row = gid + 8 * r;
-    if (row < group) {
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-#pragma unroll
-        for (int hk = 0; hk < 2; ++hk) {
-          half2 v = *reinterpret_cast<const half2*>(q + row * D + 16 * ks + 8 * hk + 2 * tig);
-          sum += __low2float(v) + __high2float(v);
-          if (BITS == 4 && hk == 1) v = __hmul2(v, as_half2(kHalf2_16th));  // meets 1024 + 16q: exact
-          biased += __low2float(v) + __high2float(v);
-          qf.a[ks][r + 2 * hk] = as_u32(v);
-        }
+      for (int hk = 0; hk < 2; ++hk) {
+        half2 v = __float2half2_rn(0.f);
+        if (head < group) v = *reinterpret_cast<const half2*>(q + head * D + 16 * ks + 8 * hk + 2 * tig);
+        sum += __low2float(v) + __high2float(v);
+        if (BITS == 4 && hk == 1) v = __hmul2(v, as_half2(kHalf2_16th));  // meets 1024 + 16q: exact
+        biased += __low2float(v) + __high2float(v);
+        qf.b[n][ks][hk] = as_u32(v);
       }
     }
 #pragma unroll
@@ -255,8 +282,14 @@ __device__ __forceinline__ void load_query(QueryFrags<D, ROWS>& qf, const half* 
       sum += __shfl_xor_sync(0xffffffffu, sum, o);
       biased += __shfl_xor_sync(0xffffffffu, biased, o);
     }
-    qf.sum[r] = sum;
-    qf.bias[r] = kMagic * biased;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // lane (g, t) needs heads 2t + e: from lane 4 (2t + e)
+      qf.sum_log2[n][e] = __shfl_sync(0xffffffffu, sum, 4 * (2 * tig + e)) * scale_log2;
+      // The codes' magic bias, removed by the tensor core itself: each tile's mma chain starts
+      // from C = -1024 sum(q') instead of 0 (fp16 entries: no bias).
+      const float bias = __shfl_sync(0xffffffffu, biased, 4 * (2 * tig + e));
+      qf.c0[n][e] = qf.c0[n][2 + e] = BITS < 16 ? -kMagic * bias : 0.f;
+    }
   }
 }
 
@@ -286,160 +319,309 @@ __device__ __forceinline__ void issue_block(uint8_t* stage, const DecodeParams& 
   }
 }
 
-// Fold one step of NB staged blocks (valid[b] tokens each, 0..16) into the softmax state.
-template <int BITS, int D, int ROWS, int NB>
-__device__ __forceinline__ void attend_step(const uint8_t* stage, const int (&valid)[NB],
-                                            const QueryFrags<D, ROWS>& qf, float scale_log2, int lane,
-                                            SoftmaxState<D, ROWS>& st) {
+// A lane's K fragments of a staged block as the A operand of S^T = K Q^T (tokens are the mma
+// M): tile 0 holds token g and tile 1 token 8 + g, register 2ks + h dims 16ks + 8h + 2t (+1),
+// which is exactly a0..a3 = (token g, token 8 + g) x (dims 16ks + 2t, the same + 8).
+template <int BITS, int D>
+__device__ __forceinline__ void block_k(const uint8_t* blk, int lane, uint32_t (&ka)[D / 16][4]) {
   using L = CacheLayout<BITS, D>;
-  constexpr int RH = ROWS / 8, NT = D / 8;
-  const int tig = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    uint32_t w[L::kKLaneBytes / 4], kb[D / 8];
+    read_fragment<L::kKLaneBytes>(blk + i * L::kTileBytes, lane, w);
+    unpack_codes<BITS, true>(w, kb);
+#pragma unroll
+    for (int r = 0; r < D / 8; ++r) ka[r / 2][2 * (r % 2) + i] = kb[r];
+  }
+}
 
-  // Scores: s[b][i][2r + e] = query row g + 8r, token 8i + 2t + e of block b.
-  float s[NB][2][2 * RH];
-#pragma unroll
-  for (int b = 0; b < NB; ++b) {
-    const uint8_t* blk = stage + b * L::kStageBlockBytes;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      uint32_t w[L::kKLaneBytes / 4], kb[D / 8];
-      read_fragment<L::kKLaneBytes>(blk + i * L::kTileBytes, lane, w);
-      unpack_codes<BITS, true>(w, kb);
-      float c[4] = {0.f, 0.f, 0.f, 0.f};  // the step's 2 * NB tiles are independent chains
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) mma_16816(c, qf.a[ks], kb[2 * ks], kb[2 * ks + 1], c);
-      uint2 params = make_uint2(0u, 0u);
-      if constexpr (L::kQuantized) params = *reinterpret_cast<const uint2*>(blk + 2 * L::kBlockBytes + 4 * (8 * i + 2 * tig));
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool inside = 8 * i + 2 * tig + e < valid[b];
-#pragma unroll
-        for (int r = 0; r < RH; ++r) {
-          const float dot = c[2 * r + e];
-          float score;
-          if constexpr (L::kQuantized) {  // s * (q . codes) + z * sum(q), in fp32
-            const half2 sz = as_half2(e ? params.y : params.x);
-            score = fmaf(dot - qf.bias[r], __low2float(sz), __high2float(sz) * qf.sum[r]) * scale_log2;
-          } else {
-            score = dot * scale_log2;
-          }
-          s[b][i][2 * r + e] = inside ? score : -INFINITY;
-        }
-      }
-    }
-  }
-
-  // Online softmax per query row over the step's 16 * NB tokens; P becomes the A operand of
-  // P.V (FlashAttention-2's trick: the C fragment of two n-tiles is the A fragment of the next mma).
-  uint32_t pa[NB][4];
-  float alpha[RH];
-  bool moved = false;
-#pragma unroll
-  for (int r = 0; r < RH; ++r) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int b = 0; b < NB; ++b) mx = fmaxf(mx, fmaxf(fmaxf(s[b][0][2 * r], s[b][0][2 * r + 1]), fmaxf(s[b][1][2 * r], s[b][1][2 * r + 1])));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(st.m[r], mx);
-    const float base = m_new == -INFINITY ? 0.f : m_new;  // nothing valid yet: avoid inf - inf
-    alpha[r] = exp2f(st.m[r] - base);
-    moved |= alpha[r] != 1.f;
-    st.m[r] = m_new;
-    float sum = 0.f;
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      const float p00 = exp2f(s[b][0][2 * r] - base), p01 = exp2f(s[b][0][2 * r + 1] - base);
-      const float p10 = exp2f(s[b][1][2 * r] - base), p11 = exp2f(s[b][1][2 * r + 1] - base);
-      sum += (p00 + p01) + (p10 + p11);
-      pa[b][r] = as_u32(__floats2half2_rn(p00, p01));      // a0 / a1: tokens 2t, 2t + 1
-      pa[b][r + 2] = as_u32(__floats2half2_rn(p10, p11));  // a2 / a3: tokens 8 + 2t, 9 + 2t
-    }
-    st.l[r] = st.l[r] * alpha[r] + sum;
-  }
-  if constexpr (RH == 1) {
-#pragma unroll
-    for (int b = 0; b < NB; ++b) pa[b][1] = pa[b][3] = 0u;
-  }
-  // Rescale the output only when some row's max moved (after the first steps, rarely).
-  if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int k = 0; k < 2 * RH; ++k) st.acc[j][k] *= alpha[k / 2];
-    }
-  }
-
-#pragma unroll
-  for (int b = 0; b < NB; ++b) {
-    const uint8_t* blk = stage + b * L::kStageBlockBytes;
-    uint32_t w[L::kVLaneBytes / 4], vb[D / 4];
-    read_fragment<L::kVLaneBytes>(blk + L::kBlockBytes, lane, w);
-    unpack_codes<BITS, false>(w, vb);
-    if constexpr (L::kQuantized) {  // v = code * scale + zero, per token: one HFMA2 per pair
-      const uint8_t* vp = blk + 2 * L::kBlockBytes + 4 * kBlockTokens + 4 * 2 * tig;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint2 sz = *reinterpret_cast<const uint2*>(vp + 4 * 8 * h);  // tokens 8h + 2t, 8h + 2t + 1
-        const half2 scale = __lows2half2(as_half2(sz.x), as_half2(sz.y));
-        const half2 zero = __highs2half2(as_half2(sz.x), as_half2(sz.y));
-#pragma unroll
-        for (int j = 0; j < NT; ++j) vb[h * NT + j] = as_u32(__hfma2(as_half2(vb[h * NT + j]), scale, zero));
-      }
-    }
-    if (valid[b] < kBlockTokens) {  // past the context P is 0, but stale V could be inf: 0 * inf = NaN
+// A lane's V fragment of a staged block as the A operand of O^T = V^T P^T (dims are the mma M):
+// register h * D/8 + j holds dims 8j + g, tokens 8h + 2t (+1), which is exactly a0..a3 =
+// (dims 16i + g, the same + 8) x (tokens 2t, 8 + 2t) for j = 2i, 2i + 1. KV4/KV8: exact codes.
+template <int BITS, int D>
+__device__ __forceinline__ void block_v(const uint8_t* blk, int valid, int lane, uint32_t (&va)[D / 16][4]) {
+  using L = CacheLayout<BITS, D>;
+  constexpr int NT = D / 8;
+  uint32_t w[L::kVLaneBytes / 4], vb[D / 4];
+  read_fragment<L::kVLaneBytes>(blk + L::kBlockBytes, lane, w);
+  unpack_codes<BITS, false>(w, vb);
+  if constexpr (!L::kQuantized) {
+    if (valid < kBlockTokens) {  // past the context P is 0, but stale fp16 V could be inf: 0 * inf = NaN
+      const int tig = lane % 4;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t keep =
-            (8 * h + 2 * tig < valid[b] ? 0x0000FFFFu : 0u) | (8 * h + 2 * tig + 1 < valid[b] ? 0xFFFF0000u : 0u);
+            (8 * h + 2 * tig < valid ? 0x0000FFFFu : 0u) | (8 * h + 2 * tig + 1 < valid ? 0xFFFF0000u : 0u);
 #pragma unroll
         for (int j = 0; j < NT; ++j) vb[h * NT + j] &= keep;
       }
     }
+  }
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      float c[4] = {st.acc[j][0], st.acc[j][1], 0.f, 0.f};
-      if constexpr (RH == 2) {
-        c[2] = st.acc[j][2];
-        c[3] = st.acc[j][3];
-      }
-      mma_16816(c, pa[b], vb[j], vb[NT + j], c);
+  for (int r = 0; r < D / 4; ++r) va[(r % NT) / 2][(r % NT) % 2 + 2 * (r / NT)] = vb[r];
+}
+
+// Scores of one staged block, in log2 units: s[n][2i + e] = token g + 8i, head 8n + 2t + e
+// (the C fragment of S^T); -inf past the context (valid tokens of 16).
+template <int BITS, int D, int HT>
+__device__ __forceinline__ void block_scores(const uint8_t* blk, int valid, const QueryFrags<D, HT>& qf,
+                                             float scale_log2, int lane, float (&s)[HT][4]) {
+  using L = CacheLayout<BITS, D>;
+  const int gid = lane / 4;
+  uint32_t ka[D / 16][4];
+  block_k<BITS, D>(blk, lane, ka);
+  float k_scale[2], k_zero[2];  // of tokens g, 8 + g; the scale times scale_log2
+  if constexpr (L::kQuantized) {
 #pragma unroll
-      for (int k = 0; k < 2 * RH; ++k) st.acc[j][k] = c[k];
+    for (int i = 0; i < 2; ++i) {
+      const half2 sz = *reinterpret_cast<const half2*>(blk + 2 * L::kBlockBytes + 4 * (8 * i + gid));
+      k_scale[i] = __low2float(sz) * scale_log2;
+      k_zero[i] = __high2float(sz);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < HT; ++n) {
+    float c[4];  // the chain starts at C = -bias: c ends as codes . q (fp32 accumulation)
+    mma_16816(c, ka[0], qf.b[n][0][0], qf.b[n][0][1], qf.c0[n]);
+#pragma unroll
+    for (int ks = 1; ks < D / 16; ++ks) mma_16816(c, ka[ks], qf.b[n][ks][0], qf.b[n][ks][1], c);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (L::kQuantized)  // (code * scale + zero) . q = scale * (code . q) + zero * sum(q)
+        s[n][k] = fmaf(c[k], k_scale[k / 2], k_zero[k / 2] * qf.sum_log2[n][k % 2]);
+      else
+        s[n][k] = c[k] * scale_log2;
+    }
+  }
+  if (valid < kBlockTokens) {  // the context's last block (warp-uniform branch)
+#pragma unroll
+    for (int n = 0; n < HT; ++n) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[n][k] = gid + 8 * (k / 2) < valid ? s[n][k] : -INFINITY;
     }
   }
 }
 
-template <int BITS, int D, int ROWS, int NB>
-__global__ void __launch_bounds__(kThreads, (ROWS == 8 ? DecodeTiling<BITS, D, NB>::kMinCtas : 3))
-    decode_kernel(const DecodeParams p) {
+// V scale and zero of tokens g and 8 + g of a staged block, in fp32, the zero moved to the
+// centre of the codes (zero + 8 scale for KV4); 0 past the context (P is 0 there, but stale
+// params could be inf or NaN: 0 * inf = NaN).
+template <int BITS, int D>
+__device__ __forceinline__ void block_v_params(const uint8_t* blk, int valid, int lane, float (&vs)[2],
+                                               float (&vz)[2]) {
+  using L = CacheLayout<BITS, D>;
+  const int gid = lane / 4;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const half2 sz = *reinterpret_cast<const half2*>(blk + 2 * L::kBlockBytes + 4 * kBlockTokens + 4 * (8 * i + gid));
+    const bool inside = valid >= kBlockTokens || gid + 8 * i < valid;
+    vs[i] = inside ? __low2float(sz) : 0.f;
+    vz[i] = inside ? fmaf(kCodeMid<BITS>, __low2float(sz), __high2float(sz)) : 0.f;
+  }
+}
+
+// Fold one step of NB staged blocks (valid[b] tokens each, 0..16) into the softmax state.
+//
+// P.V for KV4/KV8 without dequantizing V: with v = c * s + z = (c - 8) s + (z + 8 s) per token,
+//     sum_t p_t v_t = sum_t (p_t s_t) (c_t - 8) + sum_t p_t (z_t + 8 s_t),
+// so the mma multiplies the exact centred codes by p * s (formed in fp32 and rounded to fp16
+// once, as P alone was), and the zero-point term is a per-head fp32 sum (st.zl). To keep p * s clear of
+// fp16's subnormals whatever the magnitude of V, it is scaled by a power of two g, the
+// largest with g * max(s) < 2^15 over the tokens seen so far (p <= 1): g only shrinks, and the
+// output is rescaled with it exactly like with the softmax max (the merge divides g out).
+template <int BITS, int D, int HT, int NB>
+__device__ __forceinline__ void attend_step(const uint8_t* stage, const int (&valid)[NB],
+                                            const QueryFrags<D, HT>& qf, float scale_log2, int lane,
+                                            SoftmaxState<D, HT>& st) {
+  using L = CacheLayout<BITS, D>;
+  float s[NB][HT][4];
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+    block_scores<BITS, D, HT>(stage + b * L::kStageBlockBytes, valid[b], qf, scale_log2, lane, s[b]);
+
+  float vs[NB][2], vz[NB][2];  // KV4/KV8: V scales (times g) and zeros of tokens g, 8 + g
+  float shrink = 1.f;          // g_new / g_old
+  if constexpr (L::kQuantized) {
+    float smax = kFp16Tiny;  // the smallest scale quantize_kv writes: g stays finite
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      block_v_params<BITS, D>(stage + b * L::kStageBlockBytes, valid[b], lane, vs[b], vz[b]);
+      smax = fmaxf(smax, fmaxf(vs[b][0], vs[b][1]));
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, o));  // over g: all 16 tokens
+    // 2^(14 - E) for smax in [2^E, 2^(E + 1)), E in -24..13: built from smax's exponent bits.
+    const float g_step = __uint_as_float((268u << 23) - (__float_as_uint(smax) & 0x7F800000u));
+    const float g = fminf(st.g, g_step);
+    shrink = g * (1.f / st.g);  // powers of two: exact
+    st.g = g;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) vs[b][0] *= g, vs[b][1] *= g;
+  }
+
+  // Online softmax per head over the step's 16 * NB tokens (a head's tokens are spread over
+  // the 8 lanes g of its column t).
+  float base[HT][2], rescale[HT][2];
+  bool moved = shrink != 1.f;
+#pragma unroll
+  for (int n = 0; n < HT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) mx = fmaxf(mx, fmaxf(s[b][n][e], s[b][n][2 + e]));
+#pragma unroll
+      for (int o = 4; o < 32; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_new = fmaxf(st.m[n][e], mx);
+      base[n][e] = m_new == -INFINITY ? 0.f : m_new;  // nothing valid yet: avoid inf - inf
+      const float alpha = exp2f(st.m[n][e] - base[n][e]);
+      rescale[n][e] = alpha * shrink;
+      moved |= alpha != 1.f;
+      st.m[n][e] = m_new;
+      st.l[n][e] *= alpha;
+      st.zl[n][e] *= alpha;
+    }
+  }
+  // P^T (times V's scale) as the B operand of O^T = V^T P^T: the C fragment of S^T holds token
+  // g (8 + g) x heads 2t, 2t + 1; transposed, lane (g, t) holds head g x tokens 2t, 2t + 1.
+  uint32_t pb[NB][HT][2];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+#pragma unroll
+    for (int n = 0; n < HT; ++n) {
+      float p[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        p[k] = exp2f(s[b][n][k] - base[n][k % 2]);
+        st.l[n][k % 2] += p[k];
+        if constexpr (L::kQuantized) {
+          st.zl[n][k % 2] = fmaf(p[k], vz[b][k / 2], st.zl[n][k % 2]);
+          p[k] *= vs[b][k / 2];
+        }
+      }
+      pb[b][n][0] = transpose_8x8(as_u32(__floats2half2_rn(p[0], p[1])));
+      pb[b][n][1] = transpose_8x8(as_u32(__floats2half2_rn(p[2], p[3])));
+    }
+  }
+  // Rescale the output only when a head's max or g moved (after the first steps, rarely).
+  if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+#pragma unroll
+      for (int n = 0; n < HT; ++n) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) st.acc[i][n][k] *= rescale[n][k % 2];
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    uint32_t va[D / 16][4];
+    block_v<BITS, D>(stage + b * L::kStageBlockBytes, valid[b], lane, va);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+#pragma unroll
+      for (int n = 0; n < HT; ++n) mma_16816(st.acc[i][n], va[i], pb[b][n][0], pb[b][n][1], st.acc[i][n]);
+    }
+  }
+}
+
+// The last of a (sequence, kv head)'s splits to finish combines them: each split publishes its
+// partial results, then takes a ticket; the one that draws the last ticket resets the counter
+// (so the next launch, or a CUDA-graph replay, starts from 0) and returns true.
+__device__ __forceinline__ bool last_to_finish(int* ticket_counter, int splits) {
+  __threadfence();  // this thread's partial results are visible device-wide ...
+  __syncthreads();  // ... for every thread, before the ticket is taken
+  bool last = false;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(ticket_counter, 1) == splits - 1;
+    if (last) *ticket_counter = 0;  // every other split of this launch has taken its ticket
+  }
+  last = __syncthreads_or(last);
+  if (last) __threadfence();  // and their results are visible here
+  return last;
+}
+
+// Flash-decoding's second step, for the `group` query heads of one (sequence, kv head):
+// out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the `splits` splits. The weights go
+// to shared memory first (one warp per row); then each thread sums 4 output dims (16-byte loads).
+template <int D>
+__device__ void combine_splits(const DecodeParams& p, int seq, int qh0, int group, int splits) {
+  float* weight = dynamic_smem<float>();  // [group][splits]
+  float* row_sum = weight + group * splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const size_t head0 = (size_t)seq * p.num_q_heads + qh0;
+  for (int row = warp; row < group; row += kWarps) {
+    const float2* ml = p.partial_ml + (head0 + row) * p.num_splits;
+    float mmax = -INFINITY;
+    for (int s = lane; s < splits; s += 32) mmax = fmaxf(mmax, __ldcg(ml + s).x);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) mmax = fmaxf(mmax, __shfl_xor_sync(0xffffffffu, mmax, o));
+    float sum = 0.f;
+    for (int s = lane; s < splits; s += 32) {
+      const float2 v = __ldcg(ml + s);
+      const float w = mmax == -INFINITY ? 0.f : exp2f(v.x - mmax);
+      weight[row * splits + s] = w;
+      sum += v.y * w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) row_sum[row] = sum;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * D / 4; i += kThreads) {
+    const int row = i / (D / 4), d4 = i % (D / 4);
+    const float4* acc = reinterpret_cast<const float4*>(p.partial_acc + (head0 + row) * p.num_splits * D) + d4;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = 0; s < splits; ++s) {
+      const float w = weight[row * splits + s];
+      const float4 v = __ldcg(acc + s * (D / 4));
+      a = make_float4(fmaf(w, v.x, a.x), fmaf(w, v.y, a.y), fmaf(w, v.z, a.z), fmaf(w, v.w, a.w));
+    }
+    const float inv = row_sum[row] > 0.f ? 1.f / row_sum[row] : 0.f;
+    half2* out = reinterpret_cast<half2*>(p.out + (head0 + row) * D + 4 * d4);
+    out[0] = __floats2half2_rn(a.x * inv, a.y * inv);
+    out[1] = __floats2half2_rn(a.z * inv, a.w * inv);
+  }
+}
+
+template <int BITS, int D, int HT, int NB>
+__global__ void __launch_bounds__(kThreads, min_ctas(BITS, D, HT)) decode_kernel(const DecodeParams p) {
   using T = DecodeTiling<BITS, D, NB>;
-  constexpr int RH = ROWS / 8, NT = D / 8, S = T::kStages;
+  constexpr int ROWS = 8 * HT, S = T::kStages;
   const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int qh0 = kvh * group;
   // Lengths past the page table are cut (the host rejects them before launch).
   const int len = min(max(p.context_lens[seq], 0), p.max_pages * p.page_size);
+  const int blocks = (len + kBlockTokens - 1) / kBlockTokens;
   const int begin = split * p.blocks_per_split;
-  const int end = min((len + kBlockTokens - 1) / kBlockTokens, begin + p.blocks_per_split);
-  if (begin >= end) {  // a split past this sequence's end: the combine kernel skips it
-    if (p.num_splits == 1) {  // empty context: zeros
+  const int end = min(blocks, begin + p.blocks_per_split);
+  if (begin >= end) {  // a split past this sequence's end takes no part
+    if (blocks == 0 && split == 0) {  // empty context: zeros
       for (int i = threadIdx.x; i < group * D; i += kThreads)
         p.out[((size_t)seq * p.num_q_heads + qh0) * D + i] = __float2half_rn(0.f);
     }
     return;
   }
 
-  QueryFrags<D, ROWS> qf;
-  load_query<BITS, D, ROWS>(qf, p.q + ((size_t)seq * p.num_q_heads + qh0) * D, group, lane);
-  SoftmaxState<D, ROWS> st;
+  QueryFrags<D, HT> qf;
+  load_query<BITS, D, HT>(qf, p.q + ((size_t)seq * p.num_q_heads + qh0) * D, group, p.scale_log2, lane);
+  SoftmaxState<D, HT> st;
+  st.g = 274877906944.f;  // 2^38, the largest g (V scale 2^-24): the first step sets it
 #pragma unroll
-  for (int r = 0; r < RH; ++r) {
-    st.m[r] = -INFINITY;
-    st.l[r] = 0.f;
+  for (int n = 0; n < HT; ++n) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) st.acc[j][2 * r] = st.acc[j][2 * r + 1] = 0.f;
+    for (int e = 0; e < 2; ++e) {
+      st.m[n][e] = -INFINITY;
+      st.l[n][e] = st.zl[n][e] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) st.acc[i][n][k] = 0.f;
+    }
   }
 
   // The split's blocks in steps of NB; warp w takes steps w, w + 4, ... through its ring of S
@@ -473,10 +655,13 @@ __global__ void __launch_bounds__(kThreads, (ROWS == 8 ? DecodeTiling<BITS, D, N
     cp_async_commit();  // empty groups keep the count uniform
   }
   fetch_pages(warp + (S - 1) * kWarps, pg);
-  for (int n = 0, step = warp; step < steps; ++n, step += kWarps) {
+  uint8_t* computed = ring;                             // the stage of step n
+  uint8_t* refilled = ring + (S - 1) * T::kStageBytes;  // the stage of step n + S - 1
+  uint8_t* const ring_end = ring + S * T::kStageBytes;
+  for (int step = warp; step < steps; step += kWarps) {
     __syncwarp();  // every lane is done reading the stage about to be refilled
     const int ahead = step + (S - 1) * kWarps;
-    if (ahead < steps) issue_step(ahead, ring + ((n + S - 1) % S) * T::kStageBytes, pg);
+    if (ahead < steps) issue_step(ahead, refilled, pg);
     cp_async_commit();
     fetch_pages(ahead + kWarps, pg);
     cp_async_wait<S - 1>();  // step n has landed (this lane's copies) ...
@@ -488,33 +673,40 @@ __global__ void __launch_bounds__(kThreads, (ROWS == 8 ? DecodeTiling<BITS, D, N
 #pragma unroll
       for (int b = 0; b < NB; ++b) valid[b] = first_block(step) + b < end ? valid[b] : 0;
     }
-    attend_step<BITS, D, ROWS, NB>(ring + (n % S) * T::kStageBytes, valid, qf, p.scale_log2, lane, st);
+    attend_step<BITS, D, HT, NB>(computed, valid, qf, p.scale_log2, lane, st);
+    computed = computed + T::kStageBytes == ring_end ? ring : computed + T::kStageBytes;
+    refilled = refilled + T::kStageBytes == ring_end ? ring : refilled + T::kStageBytes;
   }
   cp_async_wait<0>();
   __syncthreads();  // the rings are free: the merge below reuses the shared memory
 
-  // Merge the 4 warps through shared memory: [w][row] max and sum, [w][row][d] outputs.
-#pragma unroll
-  for (int r = 0; r < RH; ++r) {
-    st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
-    st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
-  }
+  // Merge the 4 warps through shared memory: [w][head] max and sum, [w][head][d] outputs (g
+  // and the zero-point term folded in).
+  const float inv_g = CacheLayout<BITS, D>::kQuantized ? 1.f / st.g : 1.f;
   float* sm_m = dynamic_smem<float>();
   float* sm_l = sm_m + kWarps * ROWS;
   float* sm_acc = sm_l + kWarps * ROWS;
 #pragma unroll
-  for (int r = 0; r < RH; ++r) {
-    const int row = gid + 8 * r;
-    if (row < group) {
-      if (tig == 0) {
-        sm_m[warp * ROWS + row] = st.m[r];
-        sm_l[warp * ROWS + row] = st.l[r];
-      }
+  for (int n = 0; n < HT; ++n) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        float* dst = sm_acc + (warp * group + row) * D + 8 * j + 2 * tig;
-        dst[0] = st.acc[j][2 * r];
-        dst[1] = st.acc[j][2 * r + 1];
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int o = 4; o < 32; o *= 2) {  // a head's terms are spread over the lanes g
+        st.l[n][e] += __shfl_xor_sync(0xffffffffu, st.l[n][e], o);
+        st.zl[n][e] += __shfl_xor_sync(0xffffffffu, st.zl[n][e], o);
+      }
+      const int head = 8 * n + 2 * tig + e;
+      if (head < group) {
+        if (gid == 0) {
+          sm_m[warp * ROWS + head] = st.m[n][e];
+          sm_l[warp * ROWS + head] = st.l[n][e];
+        }
+        float* dst = sm_acc + (warp * group + head) * D + gid;
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) {
+          dst[16 * i] = fmaf(st.acc[i][n][e], inv_g, st.zl[n][e]);
+          dst[16 * i + 8] = fmaf(st.acc[i][n][2 + e], inv_g, st.zl[n][e]);
+        }
       }
     }
   }
@@ -542,52 +734,10 @@ __global__ void __launch_bounds__(kThreads, (ROWS == 8 ? DecodeTiling<BITS, D, N
       if (d == 0) p.partial_ml[at] = make_float2(mmax, sum);
     }
   }
-}
-
-// Sum over a CTA of D threads (D / 32 warps) through `scratch` (D / 32 floats); all get it.
-template <int D, bool MAX>
-__device__ __forceinline__ float block_reduce(float v, float* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) {
-    const float other = __shfl_xor_sync(0xffffffffu, v, o);
-    v = MAX ? fmaxf(v, other) : v + other;
-  }
-  __syncthreads();  // scratch may still be read by a previous call
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = scratch[0];
-#pragma unroll
-  for (int w = 1; w < D / 32; ++w) v = MAX ? fmaxf(v, scratch[w]) : v + scratch[w];
-  return v;
-}
-
-// Flash-decoding's second step: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. The
-// splits' weights are computed once, in parallel, into shared memory; each thread then sums
-// one output dim over the splits (independent loads).
-template <int D>
-__global__ void __launch_bounds__(D) combine_kernel(const DecodeParams p) {
-  float* scratch = dynamic_smem<float>();  // [D / 32] reduction scratch, then [num_splits] weights
-  float* weight = scratch + D / 32;
-  const int qh = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
-  const int len = min(max(p.context_lens[seq], 0), p.max_pages * p.page_size);
-  const int blocks = (len + kBlockTokens - 1) / kBlockTokens;
+  if (p.num_splits == 1) return;
   const int splits = min(p.num_splits, (blocks + p.blocks_per_split - 1) / p.blocks_per_split);
-  const size_t base = ((size_t)seq * p.num_q_heads + qh) * p.num_splits;
-  float mmax = -INFINITY;
-  for (int s = d; s < splits; s += D) mmax = fmaxf(mmax, p.partial_ml[base + s].x);
-  mmax = block_reduce<D, true>(mmax, scratch);
-  float sum = 0.f;
-  for (int s = d; s < splits; s += D) {
-    const float2 ml = p.partial_ml[base + s];
-    const float w = mmax == -INFINITY ? 0.f : exp2f(ml.x - mmax);
-    weight[s] = w;
-    sum += ml.y * w;
-  }
-  sum = block_reduce<D, false>(sum, scratch);  // its barriers also publish `weight`
-  float a = 0.f;
-#pragma unroll 4
-  for (int s = 0; s < splits; ++s) a += p.partial_acc[(base + s) * D + d] * weight[s];
-  p.out[((size_t)seq * p.num_q_heads + qh) * D + d] = __float2half_rn(sum > 0.f ? a / sum : 0.f);
+  if (last_to_finish(p.tickets + (size_t)seq * p.num_kv_heads + kvh, splits))
+    combine_splits<D>(p, seq, qh0, group, splits);
 }
 
 // ---- Append -----------------------------------------------------------------------------------
@@ -724,18 +874,14 @@ template <int BITS, int D, int NB>
 cudaError_t decode(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
   using T = DecodeTiling<BITS, D, NB>;
   const int group = p.num_q_heads / p.num_kv_heads;
-  const int rows = group <= 8 ? 8 : 16;
+  const int rows = group <= 8 ? 8 : 16;  // heads: one or two mma column tiles
   const dim3 grid(p.num_splits, p.num_kv_heads, num_seqs);
   const size_t merge = sizeof(float) * kWarps * (2 * rows + group * D);
   const size_t ring = (size_t)kWarps * T::kStages * T::kStageBytes;
-  const size_t smem = merge > ring ? merge : ring;
-  cudaError_t err = rows == 8 ? launch(decode_kernel<BITS, D, 8, NB>, grid, dim3(kThreads), smem, stream, p)
-                              : launch(decode_kernel<BITS, D, 16, NB>, grid, dim3(kThreads), smem, stream, p);
-  if (err == cudaSuccess && p.num_splits > 1) {
-    const size_t weights = sizeof(float) * (D / 32 + p.num_splits);
-    err = launch(combine_kernel<D>, dim3(p.num_q_heads, num_seqs), dim3(D), weights, stream, p);
-  }
-  return err;
+  const size_t weights = p.num_splits > 1 ? sizeof(float) * group * (p.num_splits + 1) : 0;  // combine_splits
+  const size_t smem = std::max(std::max(merge, ring), weights);
+  return rows == 8 ? launch(decode_kernel<BITS, D, 1, NB>, grid, dim3(kThreads), smem, stream, p)
+                   : launch(decode_kernel<BITS, D, 2, NB>, grid, dim3(kThreads), smem, stream, p);
 }
 
 template <int BITS, int D>
@@ -800,26 +946,30 @@ extern "C" int qoq_kv_append(const void* k, const void* v, int dtype, int64_t k_
 }
 
 // Decode attention: out[s, h] = softmax(q[s, h] K^T * scale) V over the context_lens[s] tokens
-// of sequence s. With num_splits > 1, partial_acc / partial_ml are the split workspace;
-// step_blocks (1 or 2) is the tiling of DecodeTiling.
+// of sequence s. With num_splits > 1 (flash-decoding, combined inside the same launch),
+// partial_acc / partial_ml are the split workspace and tickets an int [seqs, kv_heads] that
+// is zero before the launch and is left zero after it (one launch at a time may use it);
+// num_splits * (q_heads / kv_heads) is at most 4096. step_blocks (1 or 2) is the tiling of
+// DecodeTiling.
 extern "C" int qoq_kv_decode(const void* q, void* out, const void* cache, const int* page_table,
-                             const int* context_lens, void* partial_acc, void* partial_ml, int num_seqs,
-                             int num_q_heads, int num_kv_heads, int head_dim, int bits, int page_size, int max_pages,
-                             int num_pages, int num_splits, int blocks_per_split, int step_blocks,
+                             const int* context_lens, void* partial_acc, void* partial_ml, int* tickets,
+                             int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int bits, int page_size,
+                             int max_pages, int num_pages, int num_splits, int blocks_per_split, int step_blocks,
                              float softmax_scale, cudaStream_t stream) {
   if (num_seqs <= 0) return cudaSuccess;
   int page_shift = 0;  // page_size = 16 << page_shift
   while ((kBlockTokens << page_shift) < page_size) ++page_shift;
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads || num_q_heads / num_kv_heads > 16 ||
       page_size != (kBlockTokens << page_shift) || num_splits <= 0 || blocks_per_split <= 0 ||
-      (step_blocks != 1 && step_blocks != 2))
+      (step_blocks != 1 && step_blocks != 2) || num_splits * (num_q_heads / num_kv_heads) > 4096 ||
+      (num_splits > 1 && (!partial_acc || !partial_ml || !tickets)))
     return cudaErrorInvalidValue;
   return dispatch(bits, head_dim, [&](auto bits_c, auto dim_c) {
     constexpr int BITS = bits_c(), D = dim_c();
     const int64_t head_bytes = CacheLayout<BITS, D>::head_bytes(page_size);
     const DecodeParams p{static_cast<const half*>(q), static_cast<half*>(out), static_cast<const uint8_t*>(cache),
                          page_table, context_lens, static_cast<float*>(partial_acc),
-                         static_cast<float2*>(partial_ml), num_q_heads, num_kv_heads, page_size, page_shift,
+                         static_cast<float2*>(partial_ml), tickets, num_q_heads, num_kv_heads, page_size, page_shift,
                          max_pages, num_pages, head_bytes, head_bytes * num_kv_heads, num_splits, blocks_per_split,
                          softmax_scale * 1.4426950408889634f};
     return step_blocks == 2 ? decode<BITS, D, 2>(p, num_seqs, stream) : decode<BITS, D, 1>(p, num_seqs, stream);

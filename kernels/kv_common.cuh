@@ -55,6 +55,14 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
         "f"(c[3]));
 }
 
+// Transpose an 8x8 fp16 matrix held as mma fragments (lane l: row l / 4, columns 2(l % 4), +1)
+// into the same fragment layout (lane l then holds column l / 4, rows 2(l % 4), +1).
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+
 template <typename T>
 __device__ __forceinline__ T* dynamic_smem() {
   extern __shared__ __align__(16) unsigned char qoq_kv_smem[];

@@ -37,9 +37,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def make_cache(ops, layout: KVCacheLayout, lengths: list[int], seed: int = 0, dtype=torch.float16, spare_pages=3):
-    """Sequences of random K/V appended by the kernel on shuffled pages; also returns the
-    torch-reference pool built from the same data."""
+def make_cache(ops, layout: KVCacheLayout, lengths: list[int], seed: int = 0, dtype=torch.float16, spare_pages=3,
+               v_scale: float = 1.0):
+    """Sequences of random K/V (V times v_scale) appended by the kernel on shuffled pages; also
+    returns the torch-reference pool built from the same data."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = [math.ceil(n / layout.page_size) for n in lengths]
     order = torch.randperm(sum(per_seq) + spare_pages, generator=gen).tolist()
@@ -52,7 +53,7 @@ def make_cache(ops, layout: KVCacheLayout, lengths: list[int], seed: int = 0, dt
         table[b, :len(pages)] = torch.tensor(pages)
         shape = (n, layout.num_kv_heads, layout.head_dim)
         k = (torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype)
-        v = torch.randn(shape, generator=gen).to(dtype)
+        v = (torch.randn(shape, generator=gen) * v_scale).to(dtype)
         slots = torch.tensor([pages[p // layout.page_size] * layout.page_size + p % layout.page_size
                               for p in range(n)], dtype=torch.int32)
         # k as a strided view (token stride != heads * dim): the kernel takes strides
@@ -98,6 +99,20 @@ def test_decode_matches_fp32_attention_over_the_cache(ops, bits, head_dim, q_hea
             assert rel_err(out, ref) < 1e-3, f"splits={splits}, step_blocks={step_blocks}"
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("v_scale", [2.0**-12, 2.0**10], ids=["tiny-v", "large-v"])
+def test_decode_precision_does_not_depend_on_the_magnitude_of_v(ops, bits, v_scale):
+    """The kernel multiplies the V codes by P * (V scale) in fp16; a power of two keeps that
+    product clear of fp16's subnormals for tiny V (scales ~1e-4) and of overflow for large V."""
+    layout = KVCacheLayout(bits, 128, 2, page_size=64)
+    pool, _, table, lens = make_cache(ops, layout, [700, 64, 3], dtype=torch.float32, v_scale=v_scale)
+    q = torch.randn(3, 8, 128, device="cuda").half()
+    ref = reference_decode(q, pool, layout, table, lens)
+    for splits in (None, 1):
+        kwargs = {} if splits is None else dict(num_splits=1, blocks_per_split=64)
+        assert rel_err(decode_checked(ops, q, pool, layout, table, lens, **kwargs), ref) < 1e-3, f"splits={splits}"
+
+
 def test_decode_peaky_softmax_and_scale(ops):
     layout = KVCacheLayout(4, 128, 2, page_size=16)
     pool, _, table, lens = make_cache(ops, layout, [300, 45])
@@ -136,7 +151,7 @@ def test_decode_and_append_capture_in_a_cuda_graph(ops):
     # the last slot of each sequence's last page: past its length, so decode does not read it
     last = [int(table[0, 7]), int(table[1, 3])]
     slots = torch.tensor([p * 64 + 63 for p in last], dtype=torch.int32, device="cuda")
-    splits, per_split = ops.plan_splits(2, 8, 500)
+    splits, per_split = 3, 11  # flash-decoding: combined in the launch through tickets
     args = dict(max_context_len=500, num_splits=splits, blocks_per_split=per_split, validate=False)
     eager = ops.kv_decode(q, pool, layout, table, lens, **args)  # also the warm-up
     torch.cuda.synchronize()
@@ -145,9 +160,11 @@ def test_decode_and_append_capture_in_a_cuda_graph(ops):
     with torch.cuda.graph(graph):
         ops.kv_append(pool, layout, k, k, slots, validate=False)
         out = ops.kv_decode(q, pool, layout, table, lens, **args)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    for _ in range(3):  # each launch must leave the tickets at 0 for the next one
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
     assert not torch.equal(pool, before)  # the captured append did write
 
 
@@ -184,6 +201,8 @@ def test_unsupported_head_dim_and_mismatched_shapes_are_refused(ops, small):
         ops.kv_decode(q.float(), pool, layout, table, lens)
     with pytest.raises(ValueError, match="need a multiple"):
         ops.kv_decode(q[:, :3].contiguous(), pool, layout, table, lens)
+    with pytest.raises(ValueError, match="at most 4096"):  # the in-launch combine's limit
+        ops.kv_decode(q, pool, layout, table, lens, num_splits=2049, blocks_per_split=1)
     with pytest.raises(ValueError, match="bytes per page"):
         ops.kv_decode(q, pool[:, :-16].contiguous(), layout, table, lens)
     with pytest.raises(ValueError, match="slot 9999"):

@@ -15,8 +15,10 @@ cache (qoqtool.runtime.kv_cache.PagedKVCache) builds its page tables on the host
 construction, and skips that copy. The kernels never fault even on unchecked input: an
 out-of-range page reads page 0, an out-of-range slot is not written.
 
-`plan_splits` chooses the flash-decoding split of the context: enough CTAs for every
-multiprocessor when the batch is small, one split when the batch alone fills the chip.
+`plan_splits` chooses the flash-decoding split of the context (a cost model: splits while the
+batch leaves multiprocessors idle, none once it fills the chip). The splits are combined
+inside the same launch: the last split of each sequence and kv head to finish does it, found
+through a ticket counter (`_tickets`).
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ from qoqtool.runtime import kernel_library as kl
 from qoqtool.runtime.kv_cache import BLOCK_TOKENS, KVCacheLayout
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-MAX_GROUP = 16          # query heads per kv head: the 16 rows of one mma
+MAX_GROUP = 16          # query heads per kv head: two 8-column tiles of the kernel's mma
 STEP_BLOCKS = 2         # 16-token blocks per warp step of the decode kernel (1 or 2)
-MIN_SPLIT_BLOCKS = 16   # 256 tokens: 4 blocks per warp, below that a split's fixed costs dominate
-CTAS_PER_SM = 4         # about one wave of resident CTAs (4 warps each); more only adds combine work
+ROUND_BLOCKS = 4 * STEP_BLOCKS  # one step for each of the kernel's 4 warps: splits are whole rounds
+MIN_SPLIT_BLOCKS = 8    # 128 tokens: below that a split's fixed costs dominate
+MAX_CTAS_PER_SM = 4     # decode CTAs resident on one multiprocessor (registers and shared memory)
+SPLIT_COST_BLOCKS = 2   # a split's fixed costs and its part of the combine, in blocks (fit, see plan_splits)
+MAX_SPLIT_ROWS = 4096   # num_splits * (q_heads / kv_heads): the combine's weights in shared memory
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,7 +50,7 @@ def _lib() -> ctypes.CDLL:
     lib.qoq_kv_head_bytes.restype = i64
     lib.qoq_kv_append.argtypes = [p, p, i32, i64, i64, i64, i64, p, p, i32, i32, i32, i32, i32, i32, p]
     lib.qoq_kv_append.restype = i32
-    lib.qoq_kv_decode.argtypes = [p, p, p, p, p, p, p] + [i32] * 11 + [ctypes.c_float, p]
+    lib.qoq_kv_decode.argtypes = [p, p, p, p, p, p, p, p] + [i32] * 11 + [ctypes.c_float, p]
     lib.qoq_kv_decode.restype = i32
     # The layout is written twice (here in torch, there in CUDA): make sure the sizes agree.
     for bits in (4, 8, 16):
@@ -60,6 +65,23 @@ def _lib() -> ctypes.CDLL:
 
 def _null_or_ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None) if t is None else kl.ptr(t)
+
+
+_TICKETS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """The split tickets of decode launches on the current stream of `device`: int32 zeros that
+    every launch leaves zero again (also inside CUDA graphs), so one buffer serves every call
+    made in stream order. Grown by doubling; allocated on first use (under graph capture, from
+    the graph's pool, which this reference keeps alive). Two CUDA graphs captured on the same
+    stream share it: replay them in order, not concurrently on two streams."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < count:
+        buf = torch.zeros(max(1024, 1 << (count - 1).bit_length()), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+    return buf
 
 
 # ---- custom ops ------------------------------------------------------------------------------
@@ -79,14 +101,15 @@ def _decode_op(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, c
                step_blocks: int, scale: float) -> torch.Tensor:
     batch, q_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    acc = ml = None
+    acc = ml = tickets = None
     if num_splits > 1:  # flash-decoding workspace: each split's unnormalized output, max and sum
         acc = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(batch, q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+        tickets = _tickets(q.device, batch * num_kv_heads)
     status = _lib().qoq_kv_decode(
         kl.ptr(q), kl.ptr(out), kl.ptr(cache), kl.ptr(page_table), kl.ptr(context_lens), _null_or_ptr(acc),
-        _null_or_ptr(ml), batch, q_heads, num_kv_heads, head_dim, bits, page_size, page_table.shape[1],
-        cache.shape[0], num_splits, blocks_per_split, step_blocks, scale, kl.stream_of(q))
+        _null_or_ptr(ml), _null_or_ptr(tickets), batch, q_heads, num_kv_heads, head_dim, bits, page_size,
+        page_table.shape[1], cache.shape[0], num_splits, blocks_per_split, step_blocks, scale, kl.stream_of(q))
     kl.check(status, "qoqtool::kv_decode")
     return out
 
@@ -172,13 +195,31 @@ def kv_append(cache: torch.Tensor, layout: KVCacheLayout, k: torch.Tensor, v: to
 
 
 def plan_splits(batch: int, kv_heads: int, max_context_len: int, device=None) -> tuple[int, int]:
-    """(num_splits, blocks_per_split) for a decode of `batch` sequences of up to max_context_len."""
+    """(num_splits, blocks_per_split) for a decode of `batch` sequences of up to max_context_len.
+
+    A cost model fit to the split sweeps of benchmarks/RESULTS.md (issue 7; on all their rows
+    but one it picks the fastest count or one within 3%): a decode takes as long as its busiest
+    multiprocessor, which runs ceil(CTAs / SMs) CTAs of blocks_per_split blocks, counted as at
+    least two (one CTA of 4 warps cannot keep a multiprocessor busy), plus SPLIT_COST_BLOCKS per
+    split (its fixed costs and its part of the combine, which the last split of each sequence
+    and kv head does alone). Splits are whole rounds of the 4 warps' steps, at least
+    MIN_SPLIT_BLOCKS long, and there are never more CTAs than fit on the chip at once."""
     blocks = max(1, math.ceil(max_context_len / BLOCK_TOKENS))
     sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.cuda.is_available() else 132
-    want = round(CTAS_PER_SM * sms / max(1, batch * kv_heads))
-    splits = max(1, min(want, blocks // MIN_SPLIT_BLOCKS))
-    per_split = -(-math.ceil(blocks / splits) // STEP_BLOCKS) * STEP_BLOCKS  # whole warp steps
-    return math.ceil(blocks / per_split), per_split
+    return _plan_splits(max(1, batch * kv_heads), blocks, sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_splits(seq_heads: int, blocks: int, sms: int) -> tuple[int, int]:
+    most = max(1, min(blocks // MIN_SPLIT_BLOCKS, MAX_CTAS_PER_SM * sms // seq_heads, MAX_SPLIT_ROWS // MAX_GROUP))
+    best = None
+    for wanted in range(1, most + 1):
+        per_split = -(-math.ceil(blocks / wanted) // ROUND_BLOCKS) * ROUND_BLOCKS  # the 4 warps equally busy
+        splits = math.ceil(blocks / per_split)
+        busiest = max(math.ceil(seq_heads * splits / sms), 2) * per_split + SPLIT_COST_BLOCKS * splits
+        if best is None or busiest < best[0]:
+            best = (busiest, splits, per_split)
+    return best[1], best[2]
 
 
 def kv_decode(q: torch.Tensor, cache: torch.Tensor, layout: KVCacheLayout, page_table: torch.Tensor,
@@ -218,6 +259,9 @@ def kv_decode(q: torch.Tensor, cache: torch.Tensor, layout: KVCacheLayout, page_
         num_splits, blocks_per_split = plan_splits(batch, layout.num_kv_heads, max_context_len, q.device)
     _expect(num_splits * blocks_per_split * BLOCK_TOKENS >= max_context_len,
             f"{num_splits} splits of {blocks_per_split} blocks do not cover {max_context_len} tokens")
+    group = q_heads // layout.num_kv_heads
+    _expect(num_splits * group <= MAX_SPLIT_ROWS,
+            f"{num_splits} splits x {group} query heads per kv head: at most {MAX_SPLIT_ROWS}")
     _expect(step_blocks in (1, 2), f"step_blocks is 1 or 2, got {step_blocks}")
     scale = head_dim**-0.5 if scale is None else float(scale)
     return _decode_op(q, cache, page_table, context_lens, layout.bits, layout.page_size, layout.num_kv_heads,
