@@ -1,15 +1,18 @@
 """QoQ ablation (QServe Figure 16 style): WikiText-2 perplexity as each step is added.
 
     RTN -> + rotation -> + smoothing -> + reorder -> + clipping -> + GPTQ -> + SmoothAttention
+    (the paper's recipes, `qoq-w4a8kv4-*-paper`; qoqtool's defaults have a key-centering row
+    after the reordering and no SmoothAttention row)
 
 Every row uses the weights/activations/KV format of the chosen QoQ recipe (progressive
 W4 per group, INT8 per-token activations, KV4) and that recipe's step parameters; a row
-runs its enabled steps in the recipe's order, so the last row *is* the recipe. One model
-load, one calibration set, one run; rows are printed as they finish (partial results
-survive a time limit). `--extra` adds whole bundled recipes as further rows.
+runs its enabled steps in the recipe's order, so the last row *is* the recipe. Only the
+steps the recipe has get a row. One model load, one calibration set, one run; rows are
+printed as they finish (partial results survive a time limit). `--extra` adds whole
+bundled recipes as further rows.
 
-    python benchmarks/ablation.py --model smollm2-135m --data-dir ../shared/data \\
-        --device cuda --calib-samples 128 --calib-seqlen 2048 --json ablation.json
+    python benchmarks/ablation.py --model smollm2-135m --recipe qoq-w4a8kv4-g128-paper \\
+        --data-dir ../shared/data --device cuda --json ablation.json
 """
 
 from __future__ import annotations
@@ -28,16 +31,29 @@ from qoqtool.eval.perplexity import perplexity, wikitext2_test_ids
 from qoqtool.models.loading import load_model
 from qoqtool.packing.packed import fp16_rounded
 from qoqtool.recipe import Step, load_recipe
+from qoqtool.runtime.attention import KEY_SHIFT
 
-ABLATION = [
-    ("RTN", []),
-    ("+ rotation", ["rotate"]),
-    ("+ smoothing", ["rotate", "smooth_output"]),
-    ("+ reorder", ["rotate", "smooth_output", "reorder"]),
-    ("+ clipping", ["rotate", "smooth_output", "reorder", "clip"]),
-    ("+ GPTQ", ["rotate", "smooth_output", "reorder", "clip", "gptq"]),
-    ("+ SmoothAttention", ["rotate", "smooth_output", "reorder", "clip", "gptq", "smooth_attention"]),
+# The order in which steps are added (Figure 16's, with key centering before the weight solvers).
+STEP_ROWS = [
+    ("rotate", "+ rotation"),
+    ("smooth_output", "+ smoothing"),
+    ("reorder", "+ reorder"),
+    ("center_keys", "+ key centering"),
+    ("clip", "+ clipping"),
+    ("gptq", "+ GPTQ"),
+    ("smooth_attention", "+ SmoothAttention"),
 ]
+
+
+def ablation_rows(recipe) -> list[tuple[str, list[str]]]:
+    """(label, enabled steps) per row: RTN, then one more of the recipe's steps per row."""
+    present = {s.name for s in recipe.steps}
+    rows, enabled = [("RTN", [])], []
+    for step, label in STEP_ROWS:
+        if step in present:
+            enabled = enabled + [step]
+            rows.append((label, enabled))
+    return rows
 
 
 def recipe_with(base, enabled: list[str], label: str):
@@ -51,6 +67,9 @@ def as_deployed(model) -> None:
     """Float tensors are deployed in fp16 (docs/format.md): score the model as deployed."""
     for p in model.parameters():
         p.data = fp16_rounded(p.data)
+    for name, b in model.named_buffers():
+        if name.endswith(KEY_SHIFT):  # saved with the model, so deployed in fp16 too
+            b.data = fp16_rounded(b.data)
 
 
 def run_row(label, model, recipe, calib, ids, args) -> dict:
@@ -71,7 +90,7 @@ def run_row(label, model, recipe, calib, ids, args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--recipe", default="qoq-w4a8kv4-g128", help="the QoQ recipe to ablate")
+    ap.add_argument("--recipe", default="qoq-w4a8kv4-g128-paper", help="the QoQ recipe to ablate")
     ap.add_argument("--extra", default="", help="comma-separated recipes evaluated after the ablation")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--device", default="cpu")
@@ -116,10 +135,11 @@ def main(argv=None) -> None:
         record(run_row("fp32", copy.deepcopy(base_model), None, calib, ids, args))
     if args.extras_first:
         run_extras()
-    for label, enabled in ABLATION:
+    ablation = ablation_rows(base)
+    for label, enabled in ablation:
         if wanted and label not in wanted:
             continue
-        if args.extras_first and base.name in extras and label == ABLATION[-1][0]:
+        if args.extras_first and base.name in extras and label == ablation[-1][0]:
             same = next(r for r in rows if r["row"] == base.name)  # every step on: the recipe itself
             record({**same, "row": label})
             print(f"| {label} | {same['ppl']:.3f} | (= {base.name}) | |", flush=True)

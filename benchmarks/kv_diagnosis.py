@@ -33,6 +33,10 @@ ROWS = {
     "KV4 + rotation + key rotation (keyrot)": (4, [{"rotate": {"value_hadamard": True, "key_hadamard": True}}], False),
     "KV4 + rotation + key rotation + SmoothAttention 0.5": (
         4, [{"rotate": {"value_hadamard": True, "key_hadamard": True}}, {"smooth_attention": {"alpha": 0.5}}], False),
+    "KV4 + rotation + SmoothAttention 0.5 + key centering": (
+        4, [{"rotate": {"value_hadamard": True}}, {"smooth_attention": {"alpha": 0.5}}, {"center_keys": {}}], False),
+    "KV4 + rotation + key rotation + key centering (the default recipes)": (
+        4, [{"rotate": {"value_hadamard": True, "key_hadamard": True}}, {"center_keys": {}}], False),
 }
 
 

@@ -141,7 +141,7 @@ def test_tiny_qoq_recipes_pack_exactly(tmp_path, recipe):
 def test_manifest_and_files(tiny_folders):
     qdir, pdir = tiny_folders["prog-g32"]
     qman, man = fs.read_manifest(qdir), fs.read_manifest(pdir)
-    assert (man["format"], man["format_version"], man["float_dtype"]) == ("qoqtool-packed", 2, "float16")
+    assert (man["format"], man["format_version"], man["float_dtype"]) == ("qoqtool-packed", 3, "float16")
     assert man["outliers"] is None
     assert man["recipe"] == qman["recipe"] and man["calibration"] == qman["calibration"]
     gate = man["linears"]["model.layers.0.mlp.gate_proj"]

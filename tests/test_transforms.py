@@ -45,6 +45,7 @@ ALL_STEPS = [
     {"smooth_attention": {"alpha": 0.5}},
     {"smooth_output": {"grid": 4}},
     {"reorder": {}},
+    {"center_keys": {}},
 ]
 
 
@@ -134,3 +135,37 @@ def test_key_rotation_runs_in_attention_and_changes_only_the_quantized_keys():
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     assert rel(logits[True, 16], logits[False, 16]) < 1e-5
     assert rel(logits[True, 4], logits[False, 4]) > 1e-4
+
+
+def test_key_centering_stores_the_mean_cached_key_and_shrinks_kv4_error():
+    """center_keys: c = the mean of the keys as cached (rotated), exact in float, and the 4-bit
+    cache of k - c is closer to k - c than that of k is to k on keys with a common component."""
+    from qoqtool.calibration.capture import capture_layer
+    from qoqtool.quantizers.activations import fake_quantize_kv
+    from qoqtool.runtime.attention import KEY_SHIFT, cached_keys, enable_kv_quantization
+
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
+    model = tiny_model("llama", seed=7)
+    with torch.no_grad():  # a common key component, as real models have in low-frequency channels
+        model.model.layers[0].self_attn.k_proj.bias = torch.nn.Parameter(torch.linspace(-8, 8, model.model.layers[0].self_attn.k_proj.out_features))
+        ref = model(tokens, use_cache=False).logits.double()
+    recipe = _transform_recipe([{"rotate": {"value_hadamard": False, "key_hadamard": True}}, {"center_keys": {}}])
+    quantize_model(model, recipe, tokens, transform_only=True)
+    with torch.no_grad():
+        out = model(tokens, use_cache=False).logits.double()
+    assert float((out - ref).norm() / ref.norm()) < 1e-5  # any shift leaves softmax unchanged
+
+    attn = model.model.layers[0].self_attn
+    shift = getattr(attn, KEY_SHIFT)
+    assert f"model.layers.0.self_attn.{KEY_SHIFT}" in model.state_dict()  # saved with the model
+    keys = []
+    attn.qoq_observer = lambda k, v: keys.append(k)
+    with torch.no_grad():
+        model(tokens, use_cache=False)
+    attn.qoq_observer = None
+    delattr(attn, KEY_SHIFT)
+    raw = cached_keys(attn, keys[0])  # rotated, not shifted
+    torch.testing.assert_close(shift, raw.mean(dim=(0, 2)), rtol=1e-4, atol=1e-4)
+    centered = raw - shift[:, None, :]
+    err = lambda x: float((fake_quantize_kv(x, 4) - x).norm())  # noqa: E731
+    assert err(centered) < 0.8 * err(raw)

@@ -1,6 +1,7 @@
 """Capture what layer steps need from one pass of a layer over its calibration inputs:
 per-channel absolute maxima of linear inputs, a seeded subsample of those inputs (for grid
-searches), and the absolute maxima of post-RoPE keys per KV head and channel.
+searches), the absolute maxima of post-RoPE keys per KV head and channel, and the sum of
+the keys as the cache stores them (after the optional key rotation).
 
 The pipeline captures once per layer, before the layer steps; each step that rescales or
 permutes a watched input updates the capture exactly (`scale_input`, `permute_input`,
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qoqtool.calibration.runner import forward_hooks, layer_kwargs
+from qoqtool.runtime.attention import cached_keys
 
 
 @dataclass
@@ -22,6 +24,10 @@ class LayerCapture:
     absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> [K]
     samples: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> [T, K] float32
     key_absmax: torch.Tensor | None = None  # [kv_heads, head_dim]
+    # The cached keys (rotated if the layer rotates them), as observed: not kept up to date
+    # by the steps (center_keys, their only reader, captures afresh).
+    key_sum: torch.Tensor | None = None  # [kv_heads, head_dim], float64
+    key_count: int = 0  # tokens observed (per KV head)
 
     def scale_input(self, name: str, factor: torch.Tensor) -> None:
         """The input of `name` became x * factor (per channel, factor > 0)."""
@@ -63,6 +69,9 @@ def capture_layer(ctx, names: tuple[str, ...], max_tokens: int = 2048, keys: boo
     def observe(key, value):
         amax = key.float().abs().amax(dim=(0, 2)).cpu()  # key [B, kv_heads, T, d]
         cap.key_absmax = amax if cap.key_absmax is None else torch.maximum(cap.key_absmax, amax)
+        total = cached_keys(parts.attn, key).double().sum(dim=(0, 2)).cpu()
+        cap.key_sum = total if cap.key_sum is None else cap.key_sum + total
+        cap.key_count += key.shape[0] * key.shape[2]
 
     modules = {name: getattr(parts, name) for name in names}
     if keys:

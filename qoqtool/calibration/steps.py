@@ -44,4 +44,4 @@ def step_params(name: str, raw: dict):
 
 # The modules that define steps register them when imported.
 from qoqtool.quantizers import clipping, gptq  # noqa: E402,F401
-from qoqtool.transforms import reorder, rotation, smooth_attention, smooth_output  # noqa: E402,F401
+from qoqtool.transforms import key_centering, reorder, rotation, smooth_attention, smooth_output  # noqa: E402,F401

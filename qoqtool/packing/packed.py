@@ -38,10 +38,10 @@ from qoqtool.quantizers.outliers import OutlierBudget, SparseOutliers
 from qoqtool.runtime.packed_linear import TILE_COO_BUFFERS, PackedLinear
 
 FORMAT = "qoqtool-packed"
-# 2: fp16 outliers in Tile-COO (docs/format.md, section 8). Version 1 folders (no outliers)
+# 2: fp16 outliers in Tile-COO; 3: attention key shifts (docs/format.md, section 8). Versions 1-2
 # are still read.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 WEIGHTS_FILE = "model.safetensors"
 STATS_FILE = quantized.STATS_FILE
 # Every tensor that is not a packed weight parameter is deployed in fp16 (see fp16_rounded).
@@ -256,7 +256,7 @@ def check_manifest(manifest: dict, where: str) -> None:
     if version not in READABLE_VERSIONS:
         newer = isinstance(version, int) and version > FORMAT_VERSION
         fix = "upgrade qoqtool" if newer else "re-pack it with this qoqtool"
-        readable = " and ".join(map(str, READABLE_VERSIONS))
+        readable = ", ".join(map(str, READABLE_VERSIONS))
         raise UserError(f"{where} has packed format version {version}; this qoqtool reads versions {readable} ({fix})")
     for key in ("recipe", "linears", "files"):
         if key not in manifest:
@@ -290,7 +290,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
     """
     from transformers import AutoConfig
 
-    from qoqtool.runtime.attention import configure_attention
+    from qoqtool.runtime.attention import configure_attention, prepare_attention
     from qoqtool.runtime.loading import build_empty_model, finish_loading
 
     path = Path(path)
@@ -298,6 +298,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
     check_manifest(manifest, where)
     config = AutoConfig.from_pretrained(path)
     model = build_empty_model(config, dtype)
+    prepare_attention(model, manifest["recipe"])
     entries = outlier_entries(manifest, where)
     packed_names = _install_packed_linears(model, manifest["linears"], entries, where, dtype)
 

@@ -33,7 +33,8 @@ from qoqtool.packing import folder as fs
 from qoqtool.quantizers.formats import QuantizedWeight
 
 FORMAT = "qoqtool-quantized"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: may hold attention key shifts (center_keys)
+READABLE_VERSIONS = (1, 2)
 WEIGHTS_FILE = "model.safetensors"
 STATS_FILE = "calib_stats.safetensors"
 OUTLIERS_FILE = "outliers.safetensors"
@@ -107,10 +108,9 @@ def check_manifest(manifest: dict, where: str) -> None:
     if manifest.get("format") != FORMAT:
         raise UserError(f"{where} is a {manifest.get('format')!r} folder, not {FORMAT!r}")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise UserError(
-            f"{where} has format version {version}; this qoqtool reads version {FORMAT_VERSION} (upgrade qoqtool)"
-        )
+    if version not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
+        raise UserError(f"{where} has format version {version}; this qoqtool reads versions {readable} (upgrade qoqtool)")
 
 
 def load_weights(folder: str | Path, manifest: dict) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:

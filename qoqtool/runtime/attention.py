@@ -5,8 +5,9 @@ hands it over) and V per token and per KV head, then calls the ordinary SDPA att
 Each attention module says how many KV bits it uses in its `qoq_kv_bits` attribute
 (16: no quantization); calibration may set `qoq_observer(key, value)` to watch K and V.
 A recipe may also rotate the post-RoPE queries and keys of every head by a Hadamard matrix
-(`qoq_key_rotation`) before the keys are quantized; `configure_attention` sets both up
-from a saved recipe.
+(`qoq_key_rotation`) and shift the keys by a calibrated per-channel vector (`qoq_key_shift`,
+the center_keys step; softmax does not see it) before they are quantized; `prepare_attention`
+and `configure_attention` set these up from a saved recipe.
 
 Why re-quantizing the whole K/V on every call is exact: the quantization is per token, so
 quantizing [cache; new] equals [quantized cache; quantized new]. The transformers cache
@@ -29,9 +30,7 @@ def qoq_attention(module, query, key, value, attention_mask, **kwargs):
     observer = getattr(module, "qoq_observer", None)
     if observer is not None:  # calibration statistics of post-RoPE K and V
         observer(key, value)
-    rotation = getattr(module, "qoq_key_rotation", None)
-    if rotation is not None:  # online Hadamard: q.k unchanged, K's outlier channels spread
-        query, key = rotate_queries_and_keys(rotation, query, key)
+    query, key = queries_and_cached_keys(module, query, key)
     bits = getattr(module, "qoq_kv_bits", 16)
     if bits < 16:
         key = fake_quantize_kv(key, bits)
@@ -61,10 +60,46 @@ def attention_modules(model):
     return [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "o_proj")]
 
 
-def rotate_queries_and_keys(rotation: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-    """q H and k H per head (post-RoPE, [..., head_dim]): orthogonal H keeps every q.k."""
-    r = rotation.to(query.device, query.dtype)  # no-op: the buffer moves with its module
-    return query @ r, key @ r
+def queries_and_cached_keys(module, query: torch.Tensor, key: torch.Tensor):
+    """Post-RoPE queries and keys [B, heads, T, d] as attention over the cache sees them: both
+    rotated by the module's key rotation (if any; orthogonal, so every q.k is kept), the keys
+    then shifted by its key shift (if any)."""
+    rotation = getattr(module, "qoq_key_rotation", None)
+    if rotation is not None:  # online Hadamard: K's outlier channels spread over the head
+        query = query @ rotation.to(query.dtype)
+    return query, cached_keys(module, key)
+
+
+def cached_keys(module, key: torch.Tensor) -> torch.Tensor:
+    """The keys as the cache stores them, from post-RoPE keys [B, kv_heads, T, d]: rotated
+    by the module's key rotation, then shifted by its key shift (each if it has one)."""
+    rotation = getattr(module, "qoq_key_rotation", None)
+    if rotation is not None:
+        key = key @ rotation.to(key.dtype)
+    shift = getattr(module, KEY_SHIFT, None)
+    if shift is not None:  # q.(k - c) = q.k - q.c: the same for every key of a query
+        key = key - shift.to(key.dtype)[:, None, :]
+    return key
+
+
+KEY_SHIFT = "qoq_key_shift"
+
+
+def set_key_shift(module, shift: torch.Tensor) -> None:
+    """Store the key shift c [kv_heads, head_dim] on an attention module, as a buffer that is
+    saved with the model (`self_attn.qoq_key_shift`)."""
+    module.register_buffer(KEY_SHIFT, shift.float(), persistent=True)
+
+
+def prepare_attention(model, recipe: dict) -> None:
+    """Before a saved model's tensors are loaded: the buffers its recipe adds (key shifts)."""
+    from qoqtool.models.adapter import ModelAdapter
+
+    if any("center_keys" in step for step in recipe.get("steps", [])):
+        adapter = ModelAdapter(model)
+        device = model.get_input_embeddings().weight.device  # meta while a saved model loads
+        for module in attention_modules(model):
+            set_key_shift(module, torch.zeros(adapter.num_kv_heads, adapter.head_dim, device=device))
 
 
 def enable_key_rotation(model, head_dim: int, seed: int) -> None:

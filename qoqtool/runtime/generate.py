@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from qoqtool.models.adapter import ModelAdapter
-from qoqtool.runtime.attention import attention_modules, rotate_queries_and_keys
+from qoqtool.runtime.attention import attention_modules, queries_and_cached_keys
 from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache, pages_needed
 
 DEFAULT_PROMPTS = (
@@ -73,9 +73,7 @@ def _forward(adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, 
         q, k, v = (proj(x).view(batch, steps, -1, adapter.head_dim).transpose(1, 2)
                    for proj in (parts.q_proj, parts.k_proj, parts.v_proj))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        rotation = getattr(parts.attn, "qoq_key_rotation", None)
-        if rotation is not None:  # as qoq_attention does: the cache stores rotated keys
-            q, k = rotate_queries_and_keys(rotation, q, k)
+        q, k = queries_and_cached_keys(parts.attn, q, k)  # as qoq_attention: rotated, shifted keys
         o = attention(i, parts.attn, q, k, v)
         h = h + parts.o_proj(o.transpose(1, 2).reshape(batch, steps, -1))
         h = h + parts.mlp(parts.post_norm(h))

@@ -63,7 +63,7 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
 
     from qoqtool.packing import quantized
     from qoqtool.packing.packed import fp16_rounded
-    from qoqtool.runtime.attention import configure_attention
+    from qoqtool.runtime.attention import configure_attention, prepare_attention
     from qoqtool.runtime.reference import QuantLinear
 
     quantized.check_manifest(manifest, str(path))
@@ -74,6 +74,7 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
     # them as deployed, so that the packed folder scores exactly what this folder scores.
     tensors = {name: fp16_rounded(t) for name, t in tensors.items()}
     model = build_empty_model(config)
+    prepare_attention(model, manifest["recipe"])
     for name, qweight in weights.items():
         parent_name, attr = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
