@@ -100,3 +100,13 @@ def test_existing_output_needs_overwrite(tmp_path, tiny_folder):
     proc = run_cli("quantize", str(tiny_folder), "-r", "rtn-w8a8", "-o", str(out))
     assert_user_error(proc, "already exists", "--overwrite")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize("args, words", [(("eval", "x", "--json"), "'--json' requires an argument"),
+                                         (("quantize", "x", "--bogus"), "No such option: --bogus")])
+def test_usage_errors_exit_2_without_traceback(args, words):
+    """Option parsing errors come from click (vendored by recent typer): its usage message, exit 2."""
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert words in proc.stderr

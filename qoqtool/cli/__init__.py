@@ -63,13 +63,24 @@ def main(argv: list[str] | None = None) -> None:
         err.print("interrupted; nothing was written")
         sys.exit(130)
     except Exception as e:  # click's own usage errors carry their exit code
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
+        for ex in _click_exception_modules():
+            if isinstance(e, ex.ClickException):
+                e.show()
+                sys.exit(e.exit_code)
+            if isinstance(e, ex.Exit):
+                sys.exit(e.exit_code)
+            if isinstance(e, ex.Abort):
+                sys.exit(130)
         raise
+
+
+def _click_exception_modules() -> list:
+    """click's exception classes: recent typer releases vendor their own click
+    (`typer._click`), older ones use the click package."""
+    modules = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            modules.append(__import__(name, fromlist=["ClickException"]))
+        except ImportError:
+            pass
+    return modules
