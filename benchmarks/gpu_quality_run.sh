@@ -4,13 +4,13 @@
 #
 #   stage=stash    carry .kbuild .gpucarry/p1: keep them in /tmp/g
 #   stage=tests    carry .gpucarry/p2 .gpucarry/data .gpucarry/whl: install the wheels, every GPU test
-#                  that needs no demo model
+#                  that needs no demo model (TESTS="tests/a.py ..." picks files, TESTS_TIMEOUT seconds)
 #   stage=quality  carry .gpucarry/p3: assemble the demo GGUF, then, side by side on one GPU
 #                  (the 135M model leaves it mostly idle; nothing here is timed for speed):
-#                    the QoQ ablation (Figure 16) of qoq-w4a8kv4-g128 and -g64,
+#                    the QoQ ablation (Figure 16) of qoq-w4a8kv4-g128-paper and -g64-paper,
 #                    the outlier accuracy table (0 / 0.5 / 1 / 2 %) of three recipes,
-#                    zero-shot (piqa, arc_easy, arc_challenge) of QoQ g128 with and without key rotation,
-#                    packed checkpoints through the kernels (key rotation; 1 % outliers) vs the reference path
+#                    zero-shot (piqa, arc_easy, arc_challenge) of QoQ g128, default and -paper,
+#                    packed checkpoints through the kernels (default g128; 1 % outliers) vs the reference path
 #                  On 2026-11-30 this stage did not finish in one 600 s call: seven calibrations side
 #                  by side on one GPU ran ~5x slower each (GPTQ's many small kernels time-slice the
 #                  GPU), so the ablations stopped after GPTQ and the last jobs never started.
@@ -32,10 +32,14 @@ OUT=${OUT:-/tmp/quality_out}
 mkdir -p "$G" "$OUT"
 # A helper may be editing the kernels in this working tree while these calls run: .gpucarry/pristine
 # (git archive HEAD kernels qoqtool/runtime/{cuda_ops,packed_linear}.py) puts the committed ones back.
-if [ -d .gpucarry/pristine ]; then cp -r .gpucarry/pristine/. . && rm -f tests/test_sparse_dense_gpu.py; fi
+# Kernel sources the helper added are dropped too: the library's hash covers every kernels/*.cu(h).
+if [ -d .gpucarry/pristine ]; then
+  cp -r .gpucarry/pristine/. . && rm -f tests/test_sparse_dense_gpu.py
+  for f in kernels/*.cu kernels/*.cuh; do [ -e ".gpucarry/pristine/$f" ] || rm -f "$f"; done
+fi
 
-if [ "$stage" = stash ]; then
-  cp -r .kbuild "$G/kbuild" && cp .gpucarry/p1 "$G/" || exit 3
+if [ "$stage" = stash ]; then  # KBUILD: the carried library folder (default .kbuild)
+  cp -r "${KBUILD:-.kbuild}" "$G/kbuild" && cp .gpucarry/p1 "$G/" || exit 3
   ls -la "$G"; exit
 fi
 
@@ -45,7 +49,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 if [ "$stage" = tests ]; then
   cp .gpucarry/p2 "$G/" && cp -r .gpucarry/data "$G/data" || exit 3
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpucarry/whl/*.whl
-  timeout 500 python3 -m pytest -q -m "gpu and not slow" -p no:cacheprovider tests 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
+  timeout "${TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "gpu and not slow" -p no:cacheprovider ${TESTS:-tests} 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
   exit
 fi
 
@@ -59,9 +63,9 @@ export OMP_NUM_THREADS=2
 L=$OUT/logs; mkdir -p "$L"
 quiet() { grep -v -E "it/s\]|s/it\]|^\s*$"; }
 
-ablation() {  # $1 = recipe
+ablation() {  # $1 = a -paper recipe; the default recipe of the same format is the extra row
   timeout 540 python3 benchmarks/ablation.py --model smollm2-135m --recipe "$1" --data-dir "$D" --device cuda \
-    --extra "$1-keyrot" --json "$OUT/ablation-$1.json" 2>&1 | quiet > "$L/ablation-$1.log"
+    --extra "${1%-paper}" --json "$OUT/ablation-$1.json" 2>&1 | quiet > "$L/ablation-$1.log"
 }
 outliers() {  # $1 = recipe
   timeout 540 python3 benchmarks/outliers.py accuracy -r "$1" --shares none,0.5,1,2 --device cuda --data-dir "$D" \
@@ -82,7 +86,7 @@ through_kernels() {  # a packed folder on CUDA (kernels) against its quantized f
   done
 }
 
-# JOBS="outliers-kernels keyrot-kernels" runs only those (at most two or three per call, see above).
+# JOBS="outliers-kernels defaults" runs only those (at most two or three per call, see above).
 if [ -n "${JOBS:-}" ]; then
   for job in $JOBS; do
     case $job in
@@ -93,12 +97,19 @@ if [ -n "${JOBS:-}" ]; then
         QOQTOOL_FUSED_OUTLIERS=0 timeout 150 qoqtool eval /tmp/q/qoq-g128-outliers1-packed --tasks wikitext2 --data-dir "$D" \
           --device cuda -q --json "$OUT/eval-qoq-g128-outliers1-packed-unfused.json" 2>&1 | tail -3
       ) > "$L/kernels-outliers.log" 2>&1 & ;;
-      keyrot-kernels) (
-        qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128-keyrot --calib wikitext2 --data-dir "$D" --device cuda \
-          -o /tmp/q/qoq-w4a8kv4-g128-keyrot -q --overwrite > /dev/null 2>&1
-        through_kernels /tmp/q/qoq-w4a8kv4-g128-keyrot
-        timeout 60 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128-keyrot-packed --steps 32 2>&1 | tail -30
-      ) > "$L/kernels-keyrot.log" 2>&1 & ;;
+      defaults) (  # qoqtool's default QoQ recipes: quantize time, zero-shot, through the kernels, generation
+        for r in qoq-w4a8kv4-g128 qoq-w4a8kv4-g64; do
+          /usr/bin/time -v qoqtool quantize smollm2-135m -r $r --calib wikitext2 --data-dir "$D" --device cuda \
+            -o /tmp/q/$r -q --overwrite 2>&1 | grep -E "Elapsed|Maximum resident|rror"
+        done
+        timeout 240 python3 benchmarks/zeroshot.py run --device cuda --batch-size 64 --data-dir "$D" /tmp/q/qoq-w4a8kv4-g128 \
+          --label qoq-w4a8kv4-g128-h200 --out "$OUT/zeroshot-qoq-w4a8kv4-g128-h200.json" 2>&1 | quiet | tail -8
+        through_kernels /tmp/q/qoq-w4a8kv4-g128
+        through_kernels /tmp/q/qoq-w4a8kv4-g64
+        timeout 90 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128-packed --steps 32 2>&1 | tail -30
+        # the same with the exact reference linears (fp32, on the GPU) and the paged KV4 kernels only
+        timeout 90 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128 --steps 32 2>&1 | tail -30
+      ) > "$L/defaults.log" 2>&1 & ;;
       *) echo "unknown job $job"; exit 2 ;;
     esac
   done
@@ -107,14 +118,14 @@ if [ -n "${JOBS:-}" ]; then
   exit
 fi
 
-ablation qoq-w4a8kv4-g128 & ablation qoq-w4a8kv4-g64 &
+ablation qoq-w4a8kv4-g128-paper & ablation qoq-w4a8kv4-g64-paper &
 outliers rtn-w4a16-g128 & outliers qoq-w4a8kv4-g128 & outliers qoq-w4a8kv4-chn &
 (
-  zeroshot qoq-w4a8kv4-g128-keyrot
   zeroshot qoq-w4a8kv4-g128
-  through_kernels /tmp/q/qoq-w4a8kv4-g128-keyrot > "$L/kernels-keyrot.log" 2>&1
-  timeout 60 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128-keyrot-packed --steps 32 2>&1 | tail -30 \
-    > "$L/generate-keyrot.log"
+  zeroshot qoq-w4a8kv4-g128-paper
+  through_kernels /tmp/q/qoq-w4a8kv4-g128 > "$L/kernels-default.log" 2>&1
+  timeout 60 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128-packed --steps 32 2>&1 | tail -30 \
+    > "$L/generate-default.log"
   qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 --outliers 1% --calib wikitext2 --data-dir "$D" --device cuda \
     -o /tmp/q/qoq-g128-outliers1 -q --overwrite > /dev/null 2>&1
   through_kernels /tmp/q/qoq-g128-outliers1 > "$L/kernels-outliers.log" 2>&1

@@ -252,18 +252,24 @@ def test_paged_generation_matches_the_reference_path(arch, bits, tol):
         assert row["diverges_at"] is None and row["max_logit_diff"] < tol
 
 
-@pytest.mark.parametrize("rotate_keys", [False, True])
-def test_paged_generation_torch_path_matches_the_reference(rotate_keys):
+@pytest.mark.parametrize("keys", ["plain", "rotated", "rotated-and-shifted"])
+def test_paged_generation_torch_path_matches_the_reference(keys):
     """The paged cache's torch path (what the kernels are checked against on a GPU) decodes
-    what the reference attention decodes, also when the recipe rotates queries and keys."""
+    what the reference attention decodes, also when the recipe rotates queries and keys and
+    shifts the cached keys (center_keys)."""
     from qoqtool.models.adapter import ModelAdapter
-    from qoqtool.runtime.attention import enable_key_rotation, enable_kv_quantization
+    from qoqtool.runtime.attention import attention_modules, enable_key_rotation, enable_kv_quantization, set_key_shift
     from qoqtool.runtime.generate import generate_paged, generate_reference
 
     model = tiny_decoder("llama")
     enable_kv_quantization(model, 4)
-    if rotate_keys:
-        enable_key_rotation(model, ModelAdapter(model).head_dim, seed=2)
+    adapter = ModelAdapter(model)
+    if keys != "plain":
+        enable_key_rotation(model, adapter.head_dim, seed=2)
+    if keys == "rotated-and-shifted":
+        gen = torch.Generator().manual_seed(5)
+        for module in attention_modules(model):
+            set_key_shift(module, torch.randn(adapter.num_kv_heads, adapter.head_dim, generator=gen))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 23)]
     reference = generate_reference(model, prompts, 8, keep_logits=True)
@@ -271,8 +277,10 @@ def test_paged_generation_torch_path_matches_the_reference(rotate_keys):
     assert paged.tokens == reference.tokens
     for a, b in zip(reference.logits, paged.logits):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-4 * float(a.abs().max()))
-    if rotate_keys:  # the rotation is really applied: 4-bit keys round differently
+    if keys != "plain":  # the rotation (and shift) is really applied: 4-bit keys round differently
         plain = tiny_decoder("llama")
         enable_kv_quantization(plain, 4)
+        if keys == "rotated-and-shifted":
+            enable_key_rotation(plain, adapter.head_dim, seed=2)
         other = generate_reference(plain, prompts, 8, keep_logits=True)
         assert float((other.logits[1] - reference.logits[1]).abs().max()) > 1e-3
