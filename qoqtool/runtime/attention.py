@@ -21,6 +21,7 @@ import torch
 from qoqtool.quantizers.activations import fake_quantize_kv
 
 ATTENTION_NAME = "qoqtool"
+KEY_SHIFT = "qoq_key_shift"  # the attention module's buffer of center_keys' shift
 _registered = False
 
 
@@ -80,9 +81,6 @@ def cached_keys(module, key: torch.Tensor) -> torch.Tensor:
     if shift is not None:  # q.(k - c) = q.k - q.c: the same for every key of a query
         key = key - shift.to(key.dtype)[:, None, :]
     return key
-
-
-KEY_SHIFT = "qoq_key_shift"
 
 
 def set_key_shift(module, shift: torch.Tensor) -> None:

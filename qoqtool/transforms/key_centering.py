@@ -12,8 +12,9 @@ channel. Keys share a large common component (the low-frequency RoPE channels ha
 rotate over a context), which then takes up most of every token's range and leaves few
 levels for what tells tokens apart. Centering removes it first. On smollm2-135m's float
 model with a KV4 cache (6 WikiText-2 windows; benchmarks/kv_diagnosis.py) it lowers the
-perplexity from 23.36 to 22.70 with the key rotation (KV16: 22.06) and from 24.21 to 23.91
-with SmoothAttention. (The midrange (max + min) / 2 instead of the mean: 22.95 and 23.85.)
+perplexity from 23.36 to 22.66 with the key rotation (KV16: 22.06) and from 24.21 to 23.79
+with SmoothAttention (benchmarks/RESULTS.md, "QoQ"; the midrange (max + min) / 2 instead of
+the mean did worse with the key rotation).
 
 c is measured per layer, KV head and channel on the calibration data, on the keys the
 layer computes after every earlier step of the recipe; it is stored with the model as the
@@ -29,7 +30,7 @@ from qoqtool.calibration.steps import register_step
 
 @dataclass
 class KeyCenteringParams:
-    pass  # c is the mean key; the midrange (max + min) / 2 scored worse with the key rotation
+    pass  # c is the mean cached key: nothing to choose
 
 
 def run(ctx, params: KeyCenteringParams) -> None:
