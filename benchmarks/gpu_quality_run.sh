@@ -86,7 +86,7 @@ through_kernels() {  # a packed folder on CUDA (kernels) against its quantized f
   done
 }
 
-# JOBS="outliers-kernels defaults" runs only those (at most two or three per call, see above).
+# JOBS="outliers-kernels defaults recipe:qoq-w4a8kv4-chn" runs only those (at most two or three per call, see above).
 if [ -n "${JOBS:-}" ]; then
   for job in $JOBS; do
     case $job in
@@ -110,6 +110,12 @@ if [ -n "${JOBS:-}" ]; then
         # the same with the exact reference linears (fp32, on the GPU) and the paged KV4 kernels only
         timeout 90 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128 --steps 32 2>&1 | tail -30
       ) > "$L/defaults.log" 2>&1 & ;;
+      recipe:*) (  # recipe:NAME: quantize on the GPU (timed), then the reference path and the kernels
+        r=${job#recipe:}
+        /usr/bin/time -v qoqtool quantize smollm2-135m -r "$r" --calib wikitext2 --data-dir "$D" --device cuda \
+          -o "/tmp/q/$r" -q --overwrite 2>&1 | grep -E "Elapsed|Maximum resident|rror"
+        through_kernels "/tmp/q/$r"
+      ) > "$L/${job#recipe:}.log" 2>&1 & ;;
       *) echo "unknown job $job"; exit 2 ;;
     esac
   done
