@@ -29,9 +29,8 @@ from qoqtool.calibration.pipeline import quantize_model
 from qoqtool.data.calibration import build_calibration
 from qoqtool.eval.perplexity import perplexity, wikitext2_test_ids
 from qoqtool.models.loading import load_model
-from qoqtool.packing.packed import fp16_rounded
+from qoqtool.packing.packed import round_as_deployed
 from qoqtool.recipe import Step, load_recipe
-from qoqtool.runtime.attention import KEY_SHIFT
 
 # The order in which steps are added (Figure 16's, with key centering before the weight solvers).
 STEP_ROWS = [
@@ -63,20 +62,11 @@ def recipe_with(base, enabled: list[str], label: str):
     return recipe
 
 
-def as_deployed(model) -> None:
-    """Float tensors are deployed in fp16 (docs/format.md): score the model as deployed."""
-    for p in model.parameters():
-        p.data = fp16_rounded(p.data)
-    for name, b in model.named_buffers():
-        if name.endswith(KEY_SHIFT):  # saved with the model, so deployed in fp16 too
-            b.data = fp16_rounded(b.data)
-
-
 def run_row(label, model, recipe, calib, ids, args) -> dict:
     t0 = time.perf_counter()
     if recipe is not None:
         quantize_model(model, recipe, calib.tokens, device=args.device, batch_size=args.batch_size)
-        as_deployed(model)
+        round_as_deployed(model)  # float tensors are deployed in fp16 (docs/format.md)
     t1 = time.perf_counter()
     model.to(args.device)
     res = perplexity(model, ids, args.seqlen, args.windows)

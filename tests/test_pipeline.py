@@ -7,8 +7,7 @@ from qoqtool.calibration.pipeline import quantize_model
 from qoqtool.packing import quantized
 from qoqtool.packing.folder import read_manifest
 from qoqtool.recipe import known_recipes, load_recipe
-from qoqtool.packing.packed import fp16_rounded
-from qoqtool.runtime.attention import KEY_SHIFT
+from qoqtool.packing.packed import round_as_deployed
 from qoqtool.runtime.loading import load_quantized_folder
 from qoqtool.runtime.reference import QuantLinear
 from tests.conftest import tiny_model
@@ -43,11 +42,7 @@ def test_every_recipe_quantizes_and_reloads_exactly(name, tmp_path):
     assert all(m.act_bits == recipe.act_bits for m in linears)
     with torch.no_grad():
         # float tensors are deployed in fp16 (docs/format.md): score the model as deployed
-        for p in model.parameters():
-            p.data = fp16_rounded(p.data)
-        for name, b in model.named_buffers():
-            if name.endswith(KEY_SHIFT):  # center_keys' shifts are saved float tensors too
-                b.data = fp16_rounded(b.data)
+        round_as_deployed(model)
         q = model(tokens, use_cache=False).logits
     rel = float((q - fp).norm() / fp.norm())
     assert 0 < rel < 0.5, rel  # quantized: different, but still the same model

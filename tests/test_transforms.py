@@ -140,9 +140,8 @@ def test_key_rotation_runs_in_attention_and_changes_only_the_quantized_keys():
 def test_key_centering_stores_the_mean_cached_key_and_shrinks_kv4_error():
     """center_keys: c = the mean of the keys as cached (rotated), exact in float, and the 4-bit
     cache of k - c is closer to k - c than that of k is to k on keys with a common component."""
-    from qoqtool.calibration.capture import capture_layer
     from qoqtool.quantizers.activations import fake_quantize_kv
-    from qoqtool.runtime.attention import KEY_SHIFT, cached_keys, enable_kv_quantization
+    from qoqtool.runtime.attention import KEY_SHIFT, cached_keys
 
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
     model = tiny_model("llama", seed=7)

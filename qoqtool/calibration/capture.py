@@ -24,8 +24,8 @@ class LayerCapture:
     absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> [K]
     samples: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> [T, K] float32
     key_absmax: torch.Tensor | None = None  # [kv_heads, head_dim]
-    # The cached keys (rotated if the layer rotates them), as observed: not kept up to date
-    # by the steps (center_keys, their only reader, captures afresh).
+    # The cached keys (rotated if the layer rotates them), as observed, if asked (key_sums):
+    # not kept up to date by the steps (center_keys, their only reader, captures afresh).
     key_sum: torch.Tensor | None = None  # [kv_heads, head_dim], float64
     key_count: int = 0  # tokens observed (per KV head)
 
@@ -49,7 +49,8 @@ class LayerCapture:
 
 
 @torch.no_grad()
-def capture_layer(ctx, names: tuple[str, ...], max_tokens: int = 2048, keys: bool = False, seed: int = 0) -> LayerCapture:
+def capture_layer(ctx, names: tuple[str, ...], max_tokens: int = 2048, keys: bool = False, seed: int = 0,
+                  key_sums: bool = False) -> LayerCapture:
     """Run ctx.parts.layer over ctx.inputs; watch the inputs of the named linears."""
     parts, inputs = ctx.parts, ctx.inputs
     n, length = inputs.hidden.shape[:2]
@@ -69,9 +70,10 @@ def capture_layer(ctx, names: tuple[str, ...], max_tokens: int = 2048, keys: boo
     def observe(key, value):
         amax = key.float().abs().amax(dim=(0, 2)).cpu()  # key [B, kv_heads, T, d]
         cap.key_absmax = amax if cap.key_absmax is None else torch.maximum(cap.key_absmax, amax)
-        total = cached_keys(parts.attn, key).double().sum(dim=(0, 2)).cpu()
-        cap.key_sum = total if cap.key_sum is None else cap.key_sum + total
-        cap.key_count += key.shape[0] * key.shape[2]
+        if key_sums:
+            total = cached_keys(parts.attn, key).double().sum(dim=(0, 2)).cpu()
+            cap.key_sum = total if cap.key_sum is None else cap.key_sum + total
+            cap.key_count += key.shape[0] * key.shape[2]
 
     modules = {name: getattr(parts, name) for name in names}
     if keys:

@@ -59,6 +59,18 @@ def fp16_rounded(t: torch.Tensor) -> torch.Tensor:
     return t.to(FLOAT_DTYPE).to(t.dtype) if t.is_floating_point() else t
 
 
+def round_as_deployed(model) -> None:
+    """Round, in place, every float tensor an in-memory quantized model saves (its parameters
+    and center_keys' key shifts) as `fp16_rounded` does, so that it scores what its folder will."""
+    from qoqtool.runtime.attention import KEY_SHIFT
+
+    for p in model.parameters():
+        p.data = fp16_rounded(p.data)
+    for name, b in model.named_buffers():
+        if name.endswith(KEY_SHIFT):
+            b.data = fp16_rounded(b.data)
+
+
 # -- pack -----------------------------------------------------------------------------------
 def pack_folder(quantized_dir: str, out: str, outliers: OutlierBudget | None = None, overwrite: bool = False) -> dict:
     """Pack a quantized folder into `out` (atomically); returns the size report.

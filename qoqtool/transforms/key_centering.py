@@ -38,7 +38,7 @@ def run(ctx, params: KeyCenteringParams) -> None:
     from qoqtool.runtime.attention import KEY_SHIFT, set_key_shift
 
     # A fresh pass: the steps before this one (SmoothAttention) may have changed the keys.
-    cap = capture_layer(ctx, (), max_tokens=0, keys=True)
+    cap = capture_layer(ctx, (), max_tokens=0, keys=True, key_sums=True)
     shift = (cap.key_sum / cap.key_count).float().to(ctx.parts.k_proj.weight.device)
     earlier = getattr(ctx.parts.attn, KEY_SHIFT, None)  # the capture saw keys minus it
     set_key_shift(ctx.parts.attn, shift if earlier is None else earlier + shift)
