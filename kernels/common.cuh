@@ -11,6 +11,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <utility>
+
 // Return the launch error (or any earlier sticky error) of the kernel just launched.
 #define QOQ_RETURN_LAUNCH_STATUS() return static_cast<int>(cudaGetLastError())
 #define QOQ_RETURN_IF_ERROR(expr)                      \
@@ -27,6 +29,30 @@
 #endif
 
 namespace qoq {
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch
+// when `pdl` is set and the device is a Hopper (the kernel must call pdl_wait before it reads
+// what earlier kernels write, and before it writes anything).
+template <class... KArgs, class... Args>
+cudaError_t launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                             Args&&... args) {
+  int device = 0, major = 0;
+  if (pdl) {
+    QOQ_RETURN_IF_ERROR(cudaGetDevice(&device));
+    QOQ_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl && major >= 9;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 constexpr int kWarp = 32;
 
@@ -178,6 +204,22 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c
       : "memory");
 }
 #endif
+
+// Programmatic dependent launch (sm_90; no-ops elsewhere). A kernel launched with
+// launch_maybe_pdl may start while the previous kernel in its stream still runs, once that
+// one has called pdl_launch_dependents (or finished): everything before pdl_wait must touch
+// only data no earlier kernel writes (weights, their parameters); pdl_wait returns when
+// the previous grids have completed and their memory is visible.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 // ---------------------------------------------------------------------------------------
 // INT8 tensor cores

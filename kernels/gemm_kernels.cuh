@@ -14,6 +14,8 @@
 //     L1-bypassing 128-bit loads, U k-tiles in flight at once; activations (small, shared by
 //     every row tile) come through L1 as the 32-bit B fragments; the warps of a CTA split K
 //     and reduce in shared memory; CTAs split K too when the grid would not fill the GPU.
+//     QoQ's per-group level is applied to partial sums, once per group (fold_group), not to
+//     every weight; the kernel goes out as a programmatic dependent launch (dependent_launch).
 //
 //   wgmma_kernel (sm_90a only) - larger M. The copy engine (TMA) brings the activations
 //     (K-major, 128-byte swizzle applied by the copy), the packed weights and the group
@@ -258,7 +260,7 @@ __device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
 // OUTLIERS = true is the fused sparse-dense GEMM (issue 8, W4A8): the same warps also add the
 // Tile-COO outliers of their row tile (docs/tile-coo.md), sum_k S[n, k] * xq[m, k], on the
 // tensor cores, before the single write of the output. Per chunk of U k-tiles (U/2 whole
-// buckets: splits and chunks start on even k-tiles, see outlier_split_begin):
+// buckets: splits and chunks start on even k-tiles, see aligned_split_begin):
 //  * the chunk's entries (its buckets' runs one after the other) are loaded one per lane,
 //    issued right after the chunk's weight loads, so they arrive with them; the (start,
 //    count) lookups they need were fetched one chunk earlier (next_lookup);
@@ -280,10 +282,11 @@ __device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
 
 constexpr int kBucketTileBytes = kBucketN * kBucketK * 2;  // one bucket as fp16 [32][64]: 4 KB
 
-// k-tiles [outlier_split_begin(z), outlier_split_begin(z + 1)) of the fused kernel's split z:
-// whole buckets (pairs of k-tiles), so that no bucket straddles two splits.
-__device__ __forceinline__ int outlier_split_begin(const Params& p, int z) {
-  return min(p.KT, 2 * split_begin(p.NBk, z, p.splits));
+// k-tiles [aligned_split_begin(z), aligned_split_begin(z + 1)) of split z of a stream-style
+// kernel: whole units of `align` k-tiles (a split never cuts a Tile-COO bucket, 2 k-tiles, or a
+// progressive group fold); a split may be empty when splits > ceil(KT / align).
+__device__ __forceinline__ int aligned_split_begin(int KT, int align, int z, int splits) {
+  return min(KT, align * split_begin(ceil_div(KT, align), z, splits));
 }
 
 // Physical column c of a bucket (0..63) -> its k in the bucket's fp16 A tile. Lane (g, t) holds,
@@ -442,17 +445,18 @@ __device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int 
 
 // Where a thread of a stream-style CTA (RT row tiles x WK warps splitting K, 8 NB tokens; the
 // stream, W4A16 and ring kernels) works: its lane's (g, t) in the mma fragments, its warp's row
-// tile and k slice, the CTA's first token, and the k-tiles of its split - whole buckets
-// (outlier_split_begin) when the kernel adds outliers.
-template <int NB, int RT, int WK, bool OUTLIERS>
+// tile and k slice, the CTA's first token, and the k-tiles of its split - whole units of ALIGN
+// k-tiles (aligned_split_begin): whole buckets when the kernel adds outliers, whole group
+// folds in the progressive stream kernel.
+template <int NB, int RT, int WK, int ALIGN>
 struct StreamThread {
   int warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end;
 
   __device__ __forceinline__ explicit StreamThread(const Params& p)
       : warp(threadIdx.x / kWarp), lane(threadIdx.x % kWarp), g(lane / 4), t(lane % 4), rt(warp / WK), wk(warp % WK),
         nt(blockIdx.x * RT + rt), m0(blockIdx.y * 8 * NB),
-        kt_begin(OUTLIERS ? outlier_split_begin(p, blockIdx.z) : split_begin(p.KT, blockIdx.z, p.splits)),
-        kt_end(OUTLIERS ? outlier_split_begin(p, blockIdx.z + 1) : split_begin(p.KT, blockIdx.z + 1, p.splits)) {}
+        kt_begin(aligned_split_begin(p.KT, ALIGN, blockIdx.z, p.splits)),
+        kt_end(aligned_split_begin(p.KT, ALIGN, blockIdx.z + 1, p.splits)) {}
 
   // After the k-slice reduction, the k-slice-0 warp of each row tile holds the sums.
   __device__ __forceinline__ bool holds_sums(const Params& p) const { return wk == 0 && nt < p.NT; }
@@ -470,22 +474,75 @@ struct StreamThread {
   }
 };
 
-template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS = false>
+// One warp's chunk of U consecutive k-tiles, as loaded: its lanes' weight fragments, the B
+// fragments of its NB token blocks and, progressive, the level-1 parameter words of each of
+// the chunk's F flushes (F = U / GKc; see stream_kernel).
+template <Kind K, int NB, int U, int F>
+struct StreamChunk {
+  uint4 w[U][kLaneBytes<K> / 16];
+  uint32_t b[U][NB][2];
+  uint32_t s1[F], zs1[F];
+};
+
+// The k-tile of slot u of a chunk starting at kt0: WHOLE chunks (kt0 + U <= kt_end, the steady
+// state) use kt0 + u, so that every address is one base plus an immediate; the tail re-loads
+// the split's last tile for the slots past it (their mma is skipped).
+template <bool WHOLE>
+__device__ __forceinline__ int chunk_tile(int kt0, int u, int kt_end) {
+  return WHOLE ? kt0 + u : min(kt0 + u, kt_end - 1);
+}
+
+// QoQ progressive weights in the stream kernel: group scaling in accumulator space. The exact
+// INT8 weight is (q - z) * s1, with q the raw code, s1 and z per (row, group). Instead of
+// rebuilding it for every 32-bit word (the wgmma and ring kernels' progressive_quad: a byte
+// select, a subtract, a multiply-add and an xor per word, and the group's constants per
+// k-tile), the stream kernel multiplies the RAW codes, like the per-channel kernel, into a
+// per-group partial sum P = sum_k q x, sums the group's activations X = sum_k x with one more
+// mma whose A operand is all ones, and once per group folds both into the accumulator:
+//     acc += s1 * P - (z * s1) * X  =  sum_k (q - z) * s1 * x           (exact INT32)
+// That moves the level-1 work from per weight word (8 words a k-tile) to per accumulator and
+// group (2 multiply-adds per accumulator register every GKc k-tiles): ~85 -> ~35 instructions
+// per k-tile and warp at g128, NB = 1. Partial sums stay small (|P| <= 256 * 15 * 128 for
+// GKc <= 8). Flushing part of a group (a chunk or a split ends inside it) is exact too: the
+// fold is linear. The fold's cost grows with the accumulators (8 NB registers) while the
+// per-word dequantization's does not, so from NB = 4 (M > 16) the kernel dequantizes per word
+// as the wgmma kernel does (measured on the H200: the fold made M = 32 ~10-25% slower).
+__device__ __forceinline__ void fold_group(int (&acc)[4], const int (&part)[4], const int (&xsum)[4], int s1_lo,
+                                           int s1_hi, int zs_lo, int zs_hi) {
+  // Registers 0, 1 are row g (level-1 parameters *_lo), 2, 3 row g + 8 (*_hi); tokens 2t, 2t+1.
+  acc[0] += s1_lo * part[0] - zs_lo * xsum[0];
+  acc[1] += s1_lo * part[1] - zs_lo * xsum[1];
+  acc[2] += s1_hi * part[2] - zs_hi * xsum[2];
+  acc[3] += s1_hi * part[3] - zs_hi * xsum[3];
+}
+
+template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS = false, int GKc = 1>
 __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const Params p) {
   static_assert((WK & (WK - 1)) == 0, "the k-slice reduction is a tree");
   static_assert(!OUTLIERS || (U % 2 == 0 && U / 2 <= kWarp), "a chunk holds U / 2 whole buckets, one lookup lane each");
+  constexpr bool kProgressive = K == Kind::kProgressive;
+  constexpr bool kFold = kProgressive && NB <= 2;  // group scaling in accumulator space (fold_group)
+  static_assert(!kProgressive || U % GKc == 0, "a chunk holds whole flushes");
+  static_assert(kFold || GKc == 1, "per-word dequantization loads parameters per k-tile");
   constexpr int kBytes = kLaneBytes<K>;
-  constexpr int CB = U / 2;  // OUTLIERS: buckets per chunk
-  const StreamThread<NB, RT, WK, OUTLIERS> th(p);
-  const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;
+  constexpr int CB = U / 2;                       // OUTLIERS: buckets per chunk
+  constexpr int F = kProgressive ? U / GKc : 1;   // progressive: parameter words per chunk
+  // Splits start on whole flushes (progressive) and whole buckets (OUTLIERS); chunks then do too.
+  constexpr int kAlign = (kProgressive ? GKc : 1) > (OUTLIERS ? 2 : 1) ? (kProgressive ? GKc : 1) : (OUTLIERS ? 2 : 1);
+  const StreamThread<NB, RT, WK, kAlign> th(p);
+  const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;  // (lambdas below read th.kt_end)
 
   __shared__ int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
   extern __shared__ __align__(128) uint8_t stream_dynamic[];  // OUTLIERS: CB bucket tiles per warp
   const uint32_t scratch = smem_u32(stream_dynamic) + warp * CB * kBucketTileBytes;
   if constexpr (OUTLIERS) zero_shared(scratch, CB * kBucketTileBytes, lane);
 
+  // The next kernel in the stream may start its own prologue (launch_maybe_pdl) as soon as
+  // this one's CTAs leave the multiprocessors.
+  pdl_launch_dependents();
   int acc[2][NB][4] = {};
   float sparse[2][NB][4] = {};  // OUTLIERS: the fp32 outlier sums, same (row, token) as acc
+  if (nt >= p.NT) pdl_wait();  // (the others wait below, after their first weight loads)
   if (nt < p.NT) {
     // B fragment rows: token m0 + 8nb + g. Rows past M re-read row M - 1 (never stored).
     const int8_t* xrow[NB];
@@ -493,49 +550,101 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     for (int nb = 0; nb < NB; ++nb) xrow[nb] = p.x + static_cast<size_t>(min(m0 + 8 * nb + g, p.M - 1)) * p.Kp + 4 * t;
     const uint8_t* wrow = p.qweight + static_cast<size_t>(nt) * p.KT * 32 * kBytes + lane * kBytes;
     const size_t params_row = (static_cast<size_t>(nt) * p.groups) * 32 + 4 * g;  // progressive only
-    int2 lookup{};
-    if constexpr (OUTLIERS) lookup = next_lookup<CB>(p, nt, kt_begin + wk * U, kt_end, lane);
+    using Chunk = StreamChunk<K, NB, U, F>;
 
-    for (int kt0 = kt_begin + wk * U; kt0 < kt_end; kt0 += WK * U) {
-      Fragment<K> f[U];
-      uint32_t b[U][NB][2];
+    // Loads a chunk's weights and parameters (WEIGHTS: data no earlier kernel writes) or its
+    // activations (!WEIGHTS).
+    auto load = [&](Chunk& c, int kt0, auto whole, auto weights) {
+      constexpr bool kWhole = decltype(whole)::value, kWeights = decltype(weights)::value;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int kt = min(kt0 + u, kt_end - 1);  // the tail re-loads a valid tile; its mma is skipped
+        const int kt = chunk_tile<kWhole>(kt0, u, th.kt_end);
+        if constexpr (kWeights) {
 #pragma unroll
-        for (int h = 0; h < kBytes / 16; ++h) f[u].w[h] = ldg_stream_v4(wrow + static_cast<size_t>(kt) * 32 * kBytes + 16 * h);
-        if constexpr (K == Kind::kProgressive) {
-          const int grp = kt >> p.group_shift;
-          f[u].s1 = ldg_u32(p.scale1 + params_row + grp * 32);
-          f[u].zs1 = ldg_u32(p.zxs1 + params_row + grp * 32);
-        }
+          for (int h = 0; h < kBytes / 16; ++h) c.w[u][h] = ldg_stream_v4(wrow + static_cast<size_t>(kt) * 32 * kBytes + 16 * h);
+        } else {
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          b[u][nb][0] = ldg_u32(xrow[nb] + kt * 32);       // k = 4t .. 4t+3
-          b[u][nb][1] = ldg_u32(xrow[nb] + kt * 32 + 16);  // k = 16+4t ..
+          for (int nb = 0; nb < NB; ++nb) {
+            c.b[u][nb][0] = ldg_u32(xrow[nb] + kt * 32);       // k = 4t .. 4t+3
+            c.b[u][nb][1] = ldg_u32(xrow[nb] + kt * 32 + 16);  // k = 16+4t ..
+          }
         }
       }
+      if constexpr (kProgressive && kWeights) {
+#pragma unroll
+        for (int f = 0; f < F; ++f) {  // byte i of the words: row 8i + g (layout.pack_group_params)
+          const size_t at = params_row + static_cast<size_t>(chunk_tile<kWhole>(kt0, f * GKc, th.kt_end) >> p.group_shift) * 32;
+          c.s1[f] = ldg_u32(p.scale1 + at);
+          c.zs1[f] = ldg_u32(p.zxs1 + at);
+        }
+      }
+    };
+    auto load_chunk = [&](Chunk& c, int kt0, auto weights) {  // warp-uniform branch
+      if (kt0 + U <= th.kt_end) load(c, kt0, std::true_type{}, weights);
+      else load(c, kt0, std::false_type{}, weights);
+    };
+
+
+    // The dense products of one loaded chunk.
+    auto compute = [&](const Chunk& c, int kt0) {
+      constexpr uint32_t kOnes[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
+#pragma unroll
+      for (int f = 0; f < F; ++f) {
+        int part[2][NB][4] = {}, xsum[NB][4] = {};  // kFold: this flush's P and X
+#pragma unroll
+        for (int j = 0; j < (kProgressive ? GKc : U); ++j) {
+          const int u = f * (kProgressive ? GKc : U) + j;
+          if (kt0 + u < th.kt_end) {
+            uint32_t a[2][4];
+            if constexpr (K == Kind::kInt8Channel) w8_to_a(c.w[u][0], c.w[u][kBytes / 16 - 1], a);
+            else if constexpr (kProgressive && !kFold) w4_progressive_to_a(c.w[u][0], c.s1[u], c.zs1[u], a);
+            else w4_codes_to_a(c.w[u][0], a);  // folded progressive and per-channel alike: raw codes
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+              for (int blk = 0; blk < 2; ++blk) mma_s8_16832(kFold ? part[blk][nb] : acc[blk][nb], a[blk], c.b[u][nb][0], c.b[u][nb][1]);
+              if constexpr (kFold) mma_s8_16832(xsum[nb], kOnes, c.b[u][nb][0], c.b[u][nb][1]);
+            }
+          }
+        }
+        if constexpr (kFold) {
+          int s1[4], zs[4];  // rows g, g + 8, g + 16, g + 24 (block 0 lo/hi, block 1 lo/hi)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            s1[i] = static_cast<int>(__byte_perm(c.s1[f], 0, 0x4440 | i));
+            zs[i] = static_cast<int>(__byte_perm(c.zs1[f], 0, 0x4440 | i));
+          }
+#pragma unroll
+          for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) fold_group(acc[blk][nb], part[blk][nb], xsum[nb], s1[2 * blk], s1[2 * blk + 1], zs[2 * blk], zs[2 * blk + 1]);
+        }
+      }
+    };
+
+    const int first = kt_begin + wk * U, step = WK * U;
+    // Before pdl_wait, while the previous kernel may still run: the first chunk's weights
+    // (static data). (Measured and not kept: asking L2 for the next chunks ahead with bulk
+    // prefetches, 2 or 4 chunks per warp, made every shape 2-19% slower.)
+    Chunk c;
+    if (first < kt_end) load_chunk(c, first, std::true_type{});
+    pdl_wait();
+    int2 lookup{};
+    if constexpr (OUTLIERS) lookup = next_lookup<CB>(p, nt, first, kt_end, lane);
+    for (int kt0 = first; kt0 < kt_end; kt0 += step) {
+      if (kt0 != first) load_chunk(c, kt0, std::true_type{});
+      load_chunk(c, kt0, std::false_type{});
       // OUTLIERS: the entries go out right after the weights (their lookups came a chunk ago,
       // except for the first chunk), and the next chunk's lookups after them.
       ChunkOutliers<NB, CB, 2> outliers;
       if constexpr (OUTLIERS) {
         outliers.load(p, lookup, lane);
-        lookup = next_lookup<CB>(p, nt, kt0 + WK * U, kt_end, lane);
+        lookup = next_lookup<CB>(p, nt, kt0 + step, kt_end, lane);
       }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (kt0 + u < kt_end) {
-          uint32_t a[2][4];
-          f[u].to_a(a);
-#pragma unroll
-          for (int blk = 0; blk < 2; ++blk)
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb) mma_s8_16832(acc[blk][nb], a[blk], b[u][nb][0], b[u][nb][1]);
-        }
-      }
+      compute(c, kt0);
       // (A k-tile past kt_end holds a re-loaded B fragment; its bucket columns hold no outliers.)
       if constexpr (OUTLIERS) {
-        outliers.add(p, scratch, [&](int u, int nb, int h, uint32_t& lo, uint32_t& hi) { s8x4_to_f16x2(b[u][nb][h], lo, hi); },
+        outliers.add(p, scratch, [&](int u, int nb, int h, uint32_t& lo, uint32_t& hi) { s8x4_to_f16x2(c.b[u][nb][h], lo, hi); },
                      sparse, lane);
       }
     }
@@ -710,22 +819,50 @@ namespace qoq::gemm {
 
 enum class KernelId : int { kStream = 0, kWgmma = 1, kRing = 2 };
 
+// Whether the stream kernel goes out as a programmatic dependent launch (on by default;
+// qoq_gemm_set_dependent_launch): its CTAs start, and load their first chunk of weights,
+// while the previous kernel of the stream finishes. Measured on the H200 (benchmarks/gemm.py
+// --explore-stream): -1.6 to -2.4 us per GEMM at M = 1 and 16 on the benchmark shapes.
+inline bool& dependent_launch() {
+  static bool enabled = true;
+  return enabled;
+}
+
 // Stream-kernel shapes by tokens per CTA (8*NB): RT row tiles x WK k-slices = 8 warps;
 // U k-tiles in flight per warp, fewer when the accumulators grow.
 // OUTLIERS: chunks of 4 k-tiles (2 buckets; 8 KB of bucket tiles per warp, 64 KB per CTA) keep
 // the outlier registers and two CTAs per SM within budget at NB <= 2.
-template <Kind K, int NB, bool OUTLIERS = false>
-cudaError_t launch_stream(const Params& p, cudaStream_t stream) {
+// Progressive weights at NB <= 2 fold a group every GKc = min(group k-tiles, 4, U) k-tiles;
+// with one-k-tile groups (g32) and NB = 2 the chunk is halved, so that its per-k-tile
+// parameter words fit beside the partial sums.
+// (Measured on the H200 and not kept: two chunks in registers, the next one's loads in flight
+// while one multiplies, with U or U / 2 k-tiles - within +-5% of this, better or worse by shape.)
+template <Kind K, int NB, bool OUTLIERS, int GKc>
+cudaError_t launch_stream_shape(const Params& p, cudaStream_t stream) {
   constexpr int RT = 2, WK = 4;
-  constexpr int U = OUTLIERS ? (NB == 8 ? 2 : 4) : (NB <= 2 ? 8 : (NB == 4 ? 4 : 2));
+  constexpr int U0 = OUTLIERS ? (NB == 8 ? 2 : 4) : (NB <= 2 ? 8 : (NB == 4 ? 4 : 2));
+  constexpr int U = K == Kind::kProgressive && GKc == 1 && NB == 2 ? U0 / 2 : U0;
+  constexpr int G = GKc < U ? GKc : U;
   constexpr int MIN_BLOCKS = NB <= (OUTLIERS ? 2 : 4) ? 2 : 1;
   constexpr int kSmem = OUTLIERS ? RT * WK * (U / 2) * kBucketTileBytes : 0;
-  const auto kernel = stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS, OUTLIERS>;
+  const auto kernel = stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS, OUTLIERS, G>;
   // (Static + dynamic shared memory above 48 KB needs the opt-in, whatever the split.)
   if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);
-  kernel<<<grid, RT * WK * kWarp, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), p);
+}
+
+template <Kind K, int NB, bool OUTLIERS = false>
+cudaError_t launch_stream(const Params& p, cudaStream_t stream) {
+  if constexpr (K != Kind::kProgressive || NB > 2) {  // no group fold (see stream_kernel): GKc = 1
+    return launch_stream_shape<K, NB, OUTLIERS, 1>(p, stream);
+  } else {
+    switch (p.group_shift) {  // k-tiles per group: 1, 2, 4 or more (folded every 4)
+      case 0: return launch_stream_shape<K, NB, OUTLIERS, 1>(p, stream);
+      case 1: return launch_stream_shape<K, NB, OUTLIERS, 2>(p, stream);
+      default: return launch_stream_shape<K, NB, OUTLIERS, 4>(p, stream);
+    }
+  }
 }
 
 // cuTensorMapEncodeTiled from the driver, found through the runtime (no -lcuda needed).

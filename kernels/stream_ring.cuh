@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(RingShape<K, SHAPE>::kWarps* kWarp, RingShape<
   extern __shared__ __align__(16) uint8_t ring_smem[];
   __shared__ __align__(8) uint64_t ring_bars[R::kWarps * S];  // [warp][slot]: "slot holds its chunk"
 
-  const StreamThread<NB, RT, WK, false> th(p);
+  const StreamThread<NB, RT, WK, 1> th(p);
   const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;
   // This warp's chunks: i = 0 .. n-1 start at kt_begin + (i * WK + wk) * U (none past NT).
   const int first = kt_begin + wk * U;

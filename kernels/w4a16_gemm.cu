@@ -75,7 +75,7 @@ __device__ __forceinline__ void w4_group_to_f16_a(const uint4& w, const GroupCon
 template <int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS>
 __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) w4a16_stream_kernel(const Params p) {
   constexpr int CB = U / 2;  // OUTLIERS: buckets per chunk
-  const StreamThread<NB, RT, WK, OUTLIERS> th(p);
+  const StreamThread<NB, RT, WK, OUTLIERS ? 2 : 1> th(p);
   const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;
 
   __shared__ int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];

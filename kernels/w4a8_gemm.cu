@@ -102,3 +102,9 @@ extern "C" int qoq_w4a8_sparse_dense_gemm_per_channel(int tile, int splits, cons
   set_outliers(p, out, tc_entries, tc_start, tc_count, sparse_workspace);
   return qoq::gemm::launch_sparse_dense<Kind::kUInt4Channel>(p, tile, stream);
 }
+
+// Whether the stream kernels go out as programmatic dependent launches (benchmarks compare).
+extern "C" int qoq_gemm_set_dependent_launch(int enabled) {
+  qoq::gemm::dependent_launch() = enabled != 0;
+  return cudaSuccess;
+}

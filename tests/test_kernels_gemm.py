@@ -163,6 +163,78 @@ def test_every_configuration_exact(kind, forced, monkeypatch):
 
 
 @on_gpu
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+@pytest.mark.parametrize("m", [1, 16, 24])
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_stream_group_folds_exact(group, m, splits, monkeypatch):
+    """At M <= 16 the stream kernel folds progressive groups into its accumulators every
+    min(group, 4 k-tiles, chunk) k-tiles and splits K on those units (M = 24 dequantizes per
+    word instead): every group size and split count (7 on K = 1024 leaves some splits empty)
+    must give the integer reference bit for bit."""
+    monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits))
+    check_gemm("per_group", m, 320, 1024, group)
+    check_gemm("per_group", m, 96, 608, group)  # K padded to the group; a tail chunk in every warp
+
+
+@pytest.fixture
+def dependent_launch():
+    """cuda_ops.set_dependent_launch for one test; the default (on) again after it."""
+    yield cuda_ops.set_dependent_launch
+    cuda_ops.set_dependent_launch(True)
+
+
+@on_gpu
+@pytest.mark.parametrize("enabled", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_dependent_launch_on_and_off_exact(enabled, kind, splits, dependent_launch, monkeypatch):
+    """Programmatic dependent launch changes when a kernel starts, never its sums."""
+    dependent_launch(enabled)
+    for m in (1, 16):
+        monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits))
+        check_gemm(kind, m, 1000, 736, 32)
+
+
+@on_gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_dependent_launches_keep_stream_order(splits, monkeypatch):
+    """Back-to-back stream GEMMs launched as programmatic dependents (the second may start
+    before the first ends) into the SAME output and split-K buffers, eagerly and replayed
+    from a CUDA graph: the last write must win, and each must see the activations an
+    ordinary kernel wrote just before it."""
+    n, k = 4096, 4096
+    _, first_w, _ = make_weight("per_group", n, k, 128, seed=0)
+    _, second_w, _ = make_weight("per_group", n, k, 128, seed=1)
+    x_q, x_scale, _ = make_activations(16, k, k)
+    source, _, _ = make_activations(16, k, k, seed=5)
+    monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(16), splits))
+    op = torch.ops.qoqtool.w4a8_gemm_per_group
+    out = torch.empty(16, n, dtype=torch.float16, device="cuda")
+
+    def chain():
+        for _ in range(4):
+            cuda_ops.run_gemm("per_group", x_q, x_scale, *first_w, out_features=n, out=out)
+            cuda_ops.run_gemm("per_group", x_q, x_scale, *second_w, out_features=n, out=out)
+        x_q.copy_(source)  # an ordinary kernel writes the activations the last GEMM reads
+        cuda_ops.run_gemm("per_group", x_q, x_scale, *second_w, out_features=n, out=out)
+
+    expected = op(source, x_scale, *second_w, n)
+    original = x_q.clone()
+    chain()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    x_q.copy_(original)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    x_q.copy_(original)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+@on_gpu
 def test_split_k_counters_reset_under_cuda_graph():
     """A split-K GEMM captured in a CUDA graph gives the right answer on every replay (the
     counters are reset by the kernel itself), for new inputs copied into the static ones."""

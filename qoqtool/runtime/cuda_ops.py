@@ -60,6 +60,8 @@ _SIGNATURES = {
     # tile, splits, x, qweight, scale, zero, tc_entries, tc_start, tc_count, out, M, N, Kp, group_shift, ws,
     # float_ws, counters, stream
     "qoq_w4a16_sparse_dense_gemm": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P],
+    # enabled
+    "qoq_gemm_set_dependent_launch": [_I],
     # x, M, K, Kp, x_q, x_scale, x_rowsum, stream
     "qoq_quantize_per_token": [_P, _I, _I, _I, _P, _P, _P, _P],
     # x, weight, eps, M, K, Kp, x_q, x_scale, x_rowsum, stream
@@ -221,6 +223,15 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, ring: bool 
 
 
 PLAN_OVERRIDE: Plan | None = None  # benchmarks/gemm.py times a chosen kernel with this
+
+
+def set_dependent_launch(enabled: bool = True) -> None:
+    """Whether the stream kernels (W4A8, W8A8, fused sparse-dense; small M) go out as
+    programmatic dependent launches on Hopper, for the whole process (default: yes). A
+    dependent GEMM's CTAs start and load their first weights while the previous kernel of
+    the stream finishes; they wait for it before they read activations or write anything.
+    benchmarks/gemm.py --explore-stream times both."""
+    _call("qoq_gemm_set_dependent_launch", int(enabled))
 
 
 @functools.lru_cache(maxsize=None)
