@@ -287,6 +287,32 @@ def dependent_launch_ab(g) -> list[str]:
     return lines
 
 
+def decode_chain(g) -> list[str]:
+    """A decode step's pattern at M = 1 on the four small shapes: rmsnorm_quantize, then the
+    per-group GEMM, R times in one CUDA graph (each GEMM on its own weight copy), with and
+    without programmatic dependent launch: how much of a GEMM's start the quantize kernel hides."""
+    lines = ["rmsnorm_quantize + W4A8 g128 GEMM, M = 1: us per pair without / with dependent launch"]
+    for n, k in SMALL_SHAPES:
+        x = torch.randn(1, k, device="cuda", generator=g).half()
+        norm = torch.rand(k, device="cuda", generator=g).half()
+        weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, 1))]
+
+        def pair(w):
+            x_q, x_scale, _ = torch.ops.qoqtool.rmsnorm_quantize(x, norm, 1e-5, k)
+            return torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n)
+
+        cells = []
+        for enabled in (False, True):
+            cuda_ops.set_dependent_launch(enabled)
+            cells.append(time_calls([lambda w=w: pair(w) for w in weights]))
+        cuda_ops.set_dependent_launch(True)
+        del weights
+        torch.cuda.empty_cache()
+        lines.append(f"  {n:>5}x{k:<5}  {cells[0]:6.2f}  {cells[1]:6.2f}  ({cells[0] - cells[1]:+.2f})")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def summarize_stream(rows: list[dict]) -> list[str]:
     """Per kind, M and shape: the plan's time and the best split count, as ratios to bf16."""
     lines = [f"{'kind':11s} {'M':>2} {'N x K':>11} | {'bf16':>7} {'plan':>7} {'best':>7} | {'plan x':>6} {'best x':>6}  best"]
@@ -386,7 +412,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     if args.explore_stream:
-        ab = dependent_launch_ab(g)
+        ab = dependent_launch_ab(g) + [""] + decode_chain(g)
         rows = explore_stream(g, args.explore_stream)
         table = ab + [""] + summarize_stream(rows) + [""] + fixed_and_rate(g)
         if args.json:

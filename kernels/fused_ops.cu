@@ -64,6 +64,9 @@ template <int ITEMS, bool VEC, Op OP>
 __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) {
   __shared__ float scratch_f[32];
   __shared__ int scratch_i[32];
+  // The GEMM that follows (a programmatic dependent launch, gemm_kernels.cuh) may start its
+  // weight loads now; it waits for this grid before it reads what we write.
+  pdl_launch_dependents();
   const size_t row = blockIdx.x;
   const __half* x = p.x + row * p.K;
   float v[ITEMS][kVec];

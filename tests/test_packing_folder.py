@@ -234,6 +234,17 @@ def test_damaged_folder_is_refused(tiny_folders, tmp_path, capsys, damage):
     assert_one_line_error(code, err, words)
 
 
+@pytest.mark.parametrize("version,words", [(quantized.FORMAT_VERSION + 1, "upgrade qoqtool"), (0, "re-quantize it")])
+def test_quantized_folder_of_another_version_is_refused(tiny_folders, tmp_path, capsys, version, words):
+    d = _copy(tiny_folders["prog-g32"][0], tmp_path / "other-version")
+    man = fs.read_manifest(d)
+    man["format_version"] = version
+    (d / "qoqtool.json").unlink()
+    fs.write_manifest(d, man)
+    code, _, err = cli(capsys, "eval", str(d), "--tasks", "fidelity")
+    assert_one_line_error(code, err, f"format version {version}", words)
+
+
 def test_pack_refuses_bad_input(tiny_folders, tmp_path, capsys):
     qdir, pdir = tiny_folders["prog-g32"]
     code, _, err = cli(capsys, "pack", str(qdir), "-o", str(tmp_path / "x"), "--outliers", "150%")

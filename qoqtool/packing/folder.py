@@ -79,6 +79,21 @@ def write_manifest(folder: Path, manifest: dict) -> None:
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
 
 
+def check_format(manifest: dict, where: str, fmt: str, current: int, readable: tuple[int, ...], redo: str) -> int:
+    """The manifest's format version, after checking that it names `fmt` and a version this
+    qoqtool reads; a one-line UserError otherwise (newer versions: upgrade; older unreadable
+    ones: `redo`, e.g. "re-pack it with this qoqtool")."""
+    if manifest.get("format") != fmt:
+        raise UserError(f"{where} is a {manifest.get('format')!r} folder, not {fmt!r}")
+    version = manifest.get("format_version")
+    if version not in readable:
+        newer = isinstance(version, int) and version > current
+        fix = "upgrade qoqtool" if newer else redo
+        raise UserError(f"{where} has {fmt} format version {version}; this qoqtool reads versions "
+                        f"{', '.join(map(str, readable))} ({fix})")
+    return version
+
+
 def read_manifest(folder: str | os.PathLike) -> dict | None:
     """The folder's manifest, or None if it is not a qoqtool folder."""
     path = Path(folder) / MANIFEST

@@ -262,14 +262,7 @@ def _manifest_sha(folder: Path) -> str:
 
 # -- load -----------------------------------------------------------------------------------
 def check_manifest(manifest: dict, where: str) -> None:
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{where} is a {manifest.get('format')!r} folder, not {FORMAT!r}")
-    version = manifest.get("format_version")
-    if version not in READABLE_VERSIONS:
-        newer = isinstance(version, int) and version > FORMAT_VERSION
-        fix = "upgrade qoqtool" if newer else "re-pack it with this qoqtool"
-        readable = ", ".join(map(str, READABLE_VERSIONS))
-        raise UserError(f"{where} has packed format version {version}; this qoqtool reads versions {readable} ({fix})")
+    version = fs.check_format(manifest, where, FORMAT, FORMAT_VERSION, READABLE_VERSIONS, "re-pack it with this qoqtool")
     for key in ("recipe", "linears", "files"):
         if key not in manifest:
             raise UserError(f"{where}/qoqtool.json has no {key!r} entry; the folder is damaged, re-pack it")

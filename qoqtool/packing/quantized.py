@@ -105,12 +105,7 @@ def save(result, tokenizer, out: str, source: str, calibration: dict, overwrite:
 
 
 def check_manifest(manifest: dict, where: str) -> None:
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{where} is a {manifest.get('format')!r} folder, not {FORMAT!r}")
-    version = manifest.get("format_version")
-    if version not in READABLE_VERSIONS:
-        readable = " and ".join(map(str, READABLE_VERSIONS))
-        raise UserError(f"{where} has format version {version}; this qoqtool reads versions {readable} (upgrade qoqtool)")
+    fs.check_format(manifest, where, FORMAT, FORMAT_VERSION, READABLE_VERSIONS, "re-quantize it with this qoqtool")
 
 
 def load_weights(folder: str | Path, manifest: dict) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
