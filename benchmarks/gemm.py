@@ -261,29 +261,42 @@ def fixed_and_rate(g, n: int = 8192, ks=(2048, 4096, 8192, 16384, 32768)) -> lis
 
 
 def dependent_launch_ab(g) -> list[str]:
-    """The plan's stream kernel at M = 1 and 16 on the four small shapes with and without
-    programmatic dependent launch (cuda_ops.set_dependent_launch), cuBLAS bf16 in the same run."""
-    lines = ["per-group g128, the plan: us (x bf16) without / with programmatic dependent launch",
-             f"{'M':>2} {'N x K':>11} | {'bf16':>7} | {'plain':>11} {'dependent':>11}"]
-    for n, k in SMALL_SHAPES:
-        for m in (1, 16):
+    """Each GEMM kernel under the plan, with and without programmatic dependent launch
+    (cuda_ops.set_dependent_launch), cuBLAS bf16 in the same run: the stream kernel (W4A8 g128,
+    M = 1 and 16, the four small shapes), the W4A16 stream kernel (M = 1, 16) and the wgmma
+    kernel (W4A8 g128, M = 64, 256) on 4096x4096 and 8192x8192."""
+    cases = [("w4a8", m, n, k) for n, k in SMALL_SHAPES for m in (1, 16)]
+    cases += [(kind, m, n, k) for n, k in SMALL_SHAPES[:2] for kind, ms in (("w4a16", (1, 16)), ("w4a8", (64, 256)))
+              for m in ms]
+    lines = ["us (x bf16) without / with programmatic dependent launch; W4A8 per-group g128, W4A16 g128",
+             f"{'kind':5s} {'M':>3} {'N x K':>11} | {'bf16':>7} | {'plain':>12} {'dependent':>12}"]
+    for kind, m, n, k in cases:
+        xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
+        bf16 = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
+        del wb
+        if kind == "w4a8":
             x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
             x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
-            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
-            bf16 = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
-            del wb
             weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
-            cells = []
-            for enabled in (False, True):
-                cuda_ops.set_dependent_launch(enabled)
-                us = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
-                cells.append(f" {us:6.2f}({bf16 / us:.2f})")
-            cuda_ops.set_dependent_launch(True)
-            del weights
-            torch.cuda.empty_cache()
-            lines.append(f"{m:2d} {n:>5}x{k:<5} | {bf16:7.2f} |" + "".join(cells))
-            print(lines[-1], flush=True)
+            call = lambda w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n)  # noqa: E731
+        else:
+            x = (torch.randn(m, k, device="cuda", generator=g) * 0.1).half()
+            nt, groups = n // 32, k // GROUP
+            weights = [(rand_u8((nt, k // 32, 32, 16), 0, 255, g),
+                        (torch.rand(nt, groups, 32, device="cuda", generator=g) * 1e-2).half(),
+                        rand_u8((nt, groups, 32), 0, 15, g)) for _ in range(copies_for(n * k // 2, m))]
+            call = lambda w: torch.ops.qoqtool.w4a16_gemm(x, *w, n)  # noqa: E731
+        cells = []
+        for enabled in (False, True):
+            cuda_ops.set_dependent_launch(enabled)
+            us = time_calls([lambda w=w: call(w) for w in weights])
+            cells.append(f" {us:6.2f}({bf16 / us:.2f})")
+        cuda_ops.set_dependent_launch(True)
+        del weights
+        torch.cuda.empty_cache()
+        lines.append(f"{kind:5s} {m:3d} {n:>5}x{k:<5} | {bf16:7.2f} |" + "".join(cells))
+        print(lines[-1], flush=True)
     return lines
 
 

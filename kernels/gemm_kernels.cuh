@@ -724,6 +724,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
   const uint32_t param_box = S::kRT * gps * 32;  // bytes of one parameter box
   const uint32_t tx_bytes = S::kXBytes + S::kWBytes + (K == Kind::kProgressive ? 2 * param_box : 0);
 
+  pdl_launch_dependents();  // the next kernel may start; it waits for us before it reads our output
   if (tid == 0) {
     for (int i = 0; i < S::kStages; ++i) {
       mbar_init(full + 8 * i, 1);                 // thread 0's arrive.expect_tx
@@ -732,6 +733,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
     mbar_fence_init();
   }
   __syncthreads();
+  pdl_wait();  // the previous kernel (which may write our activations) has finished
 
   auto issue = [&](int s) {  // thread 0: all copies of stage s
     const int slot = s % S::kStages, kt0 = kt_begin + s * S::kKT;
@@ -819,10 +821,11 @@ namespace qoq::gemm {
 
 enum class KernelId : int { kStream = 0, kWgmma = 1, kRing = 2 };
 
-// Whether the stream kernel goes out as a programmatic dependent launch (on by default;
-// qoq_gemm_set_dependent_launch): its CTAs start, and load their first chunk of weights,
-// while the previous kernel of the stream finishes. Measured on the H200 (benchmarks/gemm.py
-// --explore-stream): -1.6 to -2.4 us per GEMM at M = 1 and 16 on the benchmark shapes.
+// Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
+// (on by default; qoq_gemm_set_dependent_launch): their CTAs start while the previous kernel
+// of the stream finishes - the stream kernel also loads its first chunk of weights then.
+// Measured on the H200 (benchmarks/gemm.py --explore-stream): -1.6 to -2.4 us per stream
+// GEMM at M = 1 and 16 on the benchmark shapes.
 inline bool& dependent_launch() {
   static bool enabled = true;
   return enabled;
@@ -919,8 +922,7 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
   }
   QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(wgmma_kernel<K, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem));
   const dim3 grid(ceil_div(p.NT, S::kRT), ceil_div(p.M, S::kBN), p.splits);
-  wgmma_kernel<K, WGS><<<grid, S::kThreads, S::kSmem, stream>>>(p, maps);
-  return cudaGetLastError();
+  return launch_maybe_pdl(wgmma_kernel<K, WGS>, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), p, maps);
 }
 
 // kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),

@@ -75,6 +75,10 @@ __device__ __forceinline__ void w4_group_to_f16_a(const uint4& w, const GroupCon
 template <int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS>
 __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) w4a16_stream_kernel(const Params p) {
   constexpr int CB = U / 2;  // OUTLIERS: buckets per chunk
+  // A programmatic dependent launch (launch_maybe_pdl): let the next kernel start, and wait for
+  // the previous one before anything is read or written.
+  pdl_launch_dependents();
+  pdl_wait();
   const StreamThread<NB, RT, WK, OUTLIERS ? 2 : 1> th(p);
   const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;
 
@@ -164,8 +168,7 @@ cudaError_t launch_w4a16(const Params& p, cudaStream_t stream) {
   const auto kernel = w4a16_stream_kernel<NB, RT, WK, U, MIN_BLOCKS, OUTLIERS>;
   if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);
-  kernel<<<grid, RT * WK * kWarp, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), p);
 }
 
 template <bool OUTLIERS>

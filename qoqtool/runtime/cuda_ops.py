@@ -226,10 +226,10 @@ PLAN_OVERRIDE: Plan | None = None  # benchmarks/gemm.py times a chosen kernel wi
 
 
 def set_dependent_launch(enabled: bool = True) -> None:
-    """Whether the stream kernels (W4A8, W8A8, fused sparse-dense; small M) go out as
-    programmatic dependent launches on Hopper, for the whole process (default: yes). A
-    dependent GEMM's CTAs start and load their first weights while the previous kernel of
-    the stream finishes; they wait for it before they read activations or write anything.
+    """Whether the GEMM kernels (W4A8, W8A8, fused sparse-dense, W4A16) go out as programmatic
+    dependent launches on Hopper, for the whole process (default: yes). A dependent GEMM's
+    CTAs start (the small-M kernel's also load their first weights) while the previous kernel
+    of the stream finishes; they wait for it before they read activations or write anything.
     benchmarks/gemm.py --explore-stream times both."""
     _call("qoq_gemm_set_dependent_launch", int(enabled))
 
