@@ -1,7 +1,6 @@
 """GEMM benchmark (one GPU): our W4A8 and W8A8 kernels against cuBLAS, with the floors beside them.
 
     python benchmarks/gemm.py [--quick] [--explore] [--json PATH]
-    python benchmarks/gemm.py --explore-small [--json PATH]    stream vs ring kernel only
     python benchmarks/gemm.py --explore-stream [GROUP] [--json PATH]   stream splits vs bf16
 
 For M in {1, 16, 64, 256, 1024, 4096, 8192} x (N, K) in the five shapes of issue 4:
@@ -16,12 +15,10 @@ real layer finds them in L2 too).
 Floors: max(bytes / 4.2 TB/s, ops / INT8 rate), bytes = packed weights + activations +
 output, the INT8 rate = the best torch._int_mm rate measured in this run. --explore also
 times each kernel choice for mid-sized M (what cuda_ops.plan picks between).
---explore-small times, for M in {1, 8, 16, 32} on four shapes, the stream kernel (its plan
-and its split counts) against every ring-kernel configuration (shape = row tiles x k-slice
-warps, chunk U, ring depth S; split counts), per-group weights, with the TB/s of the weight
-bytes (codes + group parameters); then the per-channel and W8A8 kinds with each kernel's
-own plan. Its summary says which plan choice the measurements support (cuda_ops.USE_RING,
-RING_SHAPE).
+--explore-stream times, against cuBLAS bf16 in the same run: every GEMM kernel with and
+without programmatic dependent launch; a decode step's rmsnorm_quantize + GEMM pair; the
+stream kernel's split counts for M in {1, 8, 16, 32} on four shapes (is the plan's the best?);
+and a line fit time = fixed + bytes / rate at M = 1 for ours and cuBLAS.
 """
 
 from __future__ import annotations
@@ -150,88 +147,6 @@ SMALL_SHAPES = [(8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336)]  # (N,
 SMALL_MS = [1, 8, 16, 32]
 
 
-def explore_small(g) -> list[dict]:
-    """Stream kernel vs ring kernel for decode-sized M (cuda_ops.RING_SHAPES, split counts)."""
-    sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
-    if not hopper:
-        print("  the ring kernel needs a Hopper GPU: nothing to compare", flush=True)
-        return []
-    op = {"per_group": torch.ops.qoqtool.w4a8_gemm_per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel,
-          "w8a8": torch.ops.qoqtool.w8a8_gemm}
-    rows = []
-    for n, k in SMALL_SHAPES:
-        for m in SMALL_MS:
-            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
-            x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
-            x_rowsum = x_q.sum(1, dtype=torch.int32)
-            acts = {"per_group": (x_q, x_scale), "per_channel": (x_q, x_scale, x_rowsum), "w8a8": (x_q, x_scale)}
-            stream = cuda_ops.plan(m, n // 32, k // 32, sms, hopper, ring=False)
-            ring = cuda_ops.plan(m, n // 32, k // 32, sms, hopper, ring=True)
-            nb = cuda_ops.ring_nb_shape(ring.tile)[0]
-            configs = [stream] + [cuda_ops.Plan(cuda_ops.STREAM, stream.tile, s) for s in (1, 2, 4)] + [
-                cuda_ops.Plan(cuda_ops.RING, cuda_ops.ring_tile(nb, shape), s)
-                for shape in range(len(cuda_ops.RING_SHAPES)) for s in (1, 2, 4)]
-            by_kind = {"per_group": list(dict.fromkeys(configs)), "per_channel": [stream, ring], "w8a8": [stream, ring]}
-            for kind, plans in by_kind.items():
-                if kind == "w8a8":
-                    weights = [(torch.randint(-127, 128, (n // 32, k // 32, 32, 32), dtype=torch.int8, device="cuda",
-                                              generator=g), (torch.rand(n, device="cuda", generator=g) * 1e-3).half())
-                               for _ in range(copies_for(n * k, m))]
-                    weight_bytes = n * k
-                else:
-                    weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
-                    weight_bytes = n * k // 2 + (2 * n * k // GROUP if kind == "per_group" else 0)
-                for p in plans:
-                    cuda_ops.PLAN_OVERRIDE = p
-                    try:
-                        us = time_calls([lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
-                    finally:
-                        cuda_ops.PLAN_OVERRIDE = None
-                    auto = "  <- stream plan" if p == stream else "  <- ring plan" if p == ring else ""
-                    tbps = weight_bytes / us / 1e6
-                    rows.append({"kind": kind, "M": m, "N": n, "K": k, "kernel": p.kernel, "tile": p.tile,
-                                 "splits": p.splits, "plan": p.name(), "stream_plan": p == stream,
-                                 "ring_plan": p == ring, "us": us, "TBps": tbps})
-                    print(f"  {kind:11s} M={m:2d} {n}x{k} {p.name():52s} {us:7.2f} us {tbps:5.2f} TB/s{auto}", flush=True)
-                del weights
-                torch.cuda.empty_cache()
-    return rows
-
-
-def explore_stream(g, group: int = GROUP) -> list[dict]:
-    """The stream kernel's split counts for M <= 32, both W4 kinds, with cuBLAS bf16 in the same
-    run: whether the plan's choice is the best one."""
-    sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
-    op = {"per_group": torch.ops.qoqtool.w4a8_gemm_per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}
-    rows = []
-    for n, k in SMALL_SHAPES:
-        for m in SMALL_MS:
-            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
-            x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
-            acts = {"per_group": (x_q, x_scale), "per_channel": (x_q, x_scale, x_q.sum(1, dtype=torch.int32))}
-            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
-            bf16 = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
-            del wb
-            auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper, ring=False)
-            plans = [auto] + [cuda_ops.Plan(cuda_ops.STREAM, auto.tile, s) for s in (1, 2, 4, 8)]
-            for kind in op:
-                weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
-                for p in dict.fromkeys(plans):
-                    cuda_ops.PLAN_OVERRIDE = p
-                    try:
-                        us = time_calls([lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
-                    finally:
-                        cuda_ops.PLAN_OVERRIDE = None
-                    rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": p.tile, "splits": p.splits,
-                                 "plan": p.name(), "auto": p == auto, "us": us, "bf16_us": bf16})
-                    print(f"  {kind:11s} M={m:2d} {n}x{k} {p.name():26s} {us:7.2f} us  bf16 {bf16:7.2f}  "
-                          f"{bf16 / us:5.2f}x{'  <- plan' if p == auto else ''}", flush=True)
-                del weights
-                torch.cuda.empty_cache()
-    return rows
-
-
 def fixed_and_rate(g, n: int = 8192, ks=(2048, 4096, 8192, 16384, 32768)) -> list[str]:
     """M = 1 on N x K for growing K, ours (per-group, the plan) and cuBLAS bf16: a least-squares
     line time = fixed + bytes / rate splits each into a fixed cost per call and a streaming rate."""
@@ -337,23 +252,6 @@ def summarize_stream(rows: list[dict]) -> list[str]:
     return lines
 
 
-def summarize_small(rows: list[dict]) -> list[str]:
-    """Per case: the stream plan, the best stream, the ring plan, the best ring configuration."""
-    lines = [f"{'kind':11s} {'M':>2} {'N x K':>11} | {'stream plan':>11} {'best stream':>11} | {'ring plan':>9}"
-             f" {'best ring':>9} {'TB/s':>5}  best ring configuration | ring plan / stream plan"]
-    cases = dict.fromkeys((r["kind"], r["M"], r["N"], r["K"]) for r in rows)
-    for kind, m, n, k in cases:
-        sel = [r for r in rows if (r["kind"], r["M"], r["N"], r["K"]) == (kind, m, n, k)]
-        stream = [r for r in sel if r["kernel"] == cuda_ops.STREAM]
-        ring = [r for r in sel if r["kernel"] == cuda_ops.RING]
-        sp = next(r for r in sel if r["stream_plan"])
-        rp = next(r for r in sel if r["ring_plan"])
-        bs, br = min(stream, key=lambda r: r["us"]), min(ring, key=lambda r: r["us"])
-        lines.append(f"{kind:11s} {m:2d} {n:>5}x{k:<5} | {sp['us']:11.2f} {bs['us']:11.2f} | {rp['us']:9.2f}"
-                     f" {br['us']:9.2f} {br['TBps']:5.2f}  {br['plan']} | {sp['us'] / rp['us']:.2f}x")
-    return lines
-
-
 def fused(g) -> list[dict]:
     rows = []
     k = 4096
@@ -413,8 +311,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="M in {1, 16, 256, 4096} on two shapes only")
     ap.add_argument("--explore", action="store_true", help="also time every kernel choice for mid-sized M")
-    ap.add_argument("--explore-small", action="store_true",
-                    help="only stream vs ring kernel configurations for M <= 32 (no cuBLAS, no table)")
     ap.add_argument("--explore-stream", type=int, nargs="?", const=GROUP, default=None, metavar="GROUP",
                     help="only the stream kernel's split counts for M <= 32 against bf16 (group size GROUP)")
     ap.add_argument("--json", default=None, help="write all numbers here")
@@ -432,15 +328,6 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "group": args.explore_stream,
                            "explore_stream": rows, "table": table}, f, indent=1)
-        print("\n" + "\n".join(table))
-        return
-    if args.explore_small:
-        rows = explore_small(g)
-        table = summarize_small(rows) if rows else []
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "explore_small": rows,
-                           "table": table}, f, indent=1)
         print("\n" + "\n".join(table))
         return
     shapes, ms = (SHAPES[::3], [1, 16, 256, 4096]) if args.quick else (SHAPES, MS)

@@ -1,10 +1,10 @@
 """Small-M GEMM kernels under Nsight Compute (where the time goes; no timing here).
 
-    ncu --kernel-name regex:"stream_kernel|ring_kernel" --section SpeedOfLight ... \
+    ncu --kernel-name regex:"stream_kernel" --section SpeedOfLight ... \
         python benchmarks/profile_gemm.py [--n 8192 --k 8192 --m 1]
 
-Runs, twice each, the per-group W4A8 GEMM with the stream plan and with the ring plan (shape
-0), and the per-channel W4A8 and W8A8 GEMMs with the stream plan, on random operands.
+Runs, twice each, the per-group and per-channel W4A8 and the W8A8 GEMMs with the stream plan,
+on random operands.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ def main() -> None:
     x_rowsum = x_q.sum(1, dtype=torch.int32)
     w8 = (torch.randint(-127, 128, (a.n // 32, a.k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
           (torch.rand(a.n, device="cuda", generator=g) * 1e-3).half())
-    stream = cuda_ops.plan(a.m, a.n // 32, a.k // 32, 132, True, ring=False)
-    ring = cuda_ops.plan(a.m, a.n // 32, a.k // 32, 132, True, ring=True)
+    stream = cuda_ops.plan(a.m, a.n // 32, a.k // 32, 132, True)
     for label, plan, call in [("per_group stream", stream, lambda: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, a.n)),
-                              ("per_group ring", ring, lambda: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, a.n)),
                               ("per_channel stream", stream,
                                lambda: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *wc, a.n)),
                               ("w8a8 stream", stream, lambda: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w8, a.n))]:

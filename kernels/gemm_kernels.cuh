@@ -444,7 +444,7 @@ __device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int 
 }
 
 // Where a thread of a stream-style CTA (RT row tiles x WK warps splitting K, 8 NB tokens; the
-// stream, W4A16 and ring kernels) works: its lane's (g, t) in the mma fragments, its warp's row
+// stream and W4A16 kernels) works: its lane's (g, t) in the mma fragments, its warp's row
 // tile and k slice, the CTA's first token, and the k-tiles of its split - whole units of ALIGN
 // k-tiles (aligned_split_begin): whole buckets when the kernel adds outliers, whole group
 // folds in the progressive stream kernel.
@@ -494,7 +494,7 @@ __device__ __forceinline__ int chunk_tile(int kt0, int u, int kt_end) {
 
 // QoQ progressive weights in the stream kernel: group scaling in accumulator space. The exact
 // INT8 weight is (q - z) * s1, with q the raw code, s1 and z per (row, group). Instead of
-// rebuilding it for every 32-bit word (the wgmma and ring kernels' progressive_quad: a byte
+// rebuilding it for every 32-bit word (the wgmma kernel's progressive_quad: a byte
 // select, a subtract, a multiply-add and an xor per word, and the group's constants per
 // k-tile), the stream kernel multiplies the RAW codes, like the per-channel kernel, into a
 // per-group partial sum P = sum_k q x, sums the group's activations X = sum_k x with one more
@@ -809,17 +809,11 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
 #endif  // QOQ_HAS_WGMMA
 }
 
-}  // namespace qoq::gemm
-
-#include "stream_ring.cuh"  // ring_kernel: the stream kernel's work fed by bulk copies (sm_90a)
-
-namespace qoq::gemm {
-
 // ---------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------
 
-enum class KernelId : int { kStream = 0, kWgmma = 1, kRing = 2 };
+enum class KernelId : int { kStream = 0, kWgmma = 1 };
 
 // Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
 // (on by default; qoq_gemm_set_dependent_launch): their CTAs start while the previous kernel
@@ -926,7 +920,7 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
 }
 
 // kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),
-// wgmma with WGS = tile (1, 2), or ring with tile = NB + 8 * shape (stream_ring.cuh).
+// wgmma with WGS = tile (1, 2).
 template <Kind K>
 cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
@@ -943,8 +937,6 @@ cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
       case 1: return launch_wgmma<K, 1>(p, stream);
       case 2: return launch_wgmma<K, 2>(p, stream);
     }
-  } else if (kernel == static_cast<int>(KernelId::kRing)) {
-    return launch_ring<K>(p, tile, stream);  // tile = NB + 8 * ring shape
   }
   return cudaErrorInvalidValue;
 }

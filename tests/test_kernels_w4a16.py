@@ -11,10 +11,11 @@ bad operands before any launch.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_kernels_gemm import on_gpu
-from test_kernels_ring import forced
 from test_sparse_dense_gpu import random_outliers, stream_plan
 
 from qoqtool.packing import tile_coo
@@ -24,6 +25,16 @@ from qoqtool.runtime import cuda_ops
 
 REL_TOL = 1e-3
 N, K = 1000, 600  # 31 full row tiles + 8 rows; K padded to the group
+
+
+@contextlib.contextmanager
+def forced(p: cuda_ops.Plan):
+    """cuda_ops.PLAN_OVERRIDE = p inside the block."""
+    old, cuda_ops.PLAN_OVERRIDE = cuda_ops.PLAN_OVERRIDE, p
+    try:
+        yield
+    finally:
+        cuda_ops.PLAN_OVERRIDE = old
 
 
 def make_w4a16(n: int, k: int, group: int, device: str = "cuda", seed: int = 0):

@@ -86,7 +86,7 @@ def _call(name: str, *args) -> None:
 
 
 # -- tile configuration by M ------------------------------------------------------------------
-STREAM, WGMMA, RING = 0, 1, 2  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
+STREAM, WGMMA = 0, 1  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
 
 # The stream kernel's shape (mirrors launch_stream in gemm_kernels.cuh): 2 row tiles x 4
 # k-slice warps per CTA; U k-tiles in flight per warp, by tokens-per-CTA/8 (NB); how many
@@ -100,34 +100,11 @@ _WGMMA_TWO_WG_GAIN = 1.1  # two warpgroups sharing one activation tile: ~11% mor
 _SPLIT_COST = 0.1  # relative cost of each extra K split (partials through the workspace)
 MAX_SPLITS = 8
 
-# The ring kernel (kernels/stream_ring.cuh, sm_90a): the stream kernel's work with each warp's
-# weights arriving by bulk copies into a shared-memory ring. Its shapes, as RingShape there:
-# (row tiles, k-slice warps, k-tiles per chunk (W4; W8 takes half), ring slots per warp).
-RING_SHAPES = ((1, 8, 4, 4), (2, 4, 4, 4), (1, 4, 4, 4), (1, 8, 8, 3), (1, 8, 2, 8))
-RING_NB = (1, 2, 4)
-RING_MAX_M = 32
-RING_SHAPE = 0  # the plan's shape until measurements say otherwise
-# Whether plan() takes the ring kernel for M <= RING_MAX_M on Hopper (QOQTOOL_RING=1). Off
-# until the H200 has measured it faster than the stream kernel (benchmarks/gemm.py
-# --explore-small); PLAN_OVERRIDE selects either kernel regardless.
-USE_RING = os.environ.get("QOQTOOL_RING", "0") == "1"
-
-
-def ring_tile(nb: int, shape: int = RING_SHAPE) -> int:
-    """Plan.tile of a ring plan: NB (8*NB tokens per CTA) and the shape in one int, as
-    launch_ring decodes it (NB + 8 * shape)."""
-    return nb + 8 * shape
-
-
-def ring_nb_shape(tile: int) -> tuple[int, int]:
-    return tile % 8, tile // 8
-
 
 @dataclass(frozen=True)
 class Plan:
     """Which kernel runs a GEMM: `tile` is NB (stream: 8*NB tokens per CTA), WGS (wgmma:
-    warpgroups of 128 rows per CTA) or ring_tile(NB, shape) (ring); `splits` > 1 splits K
-    across CTAs (one launch)."""
+    warpgroups of 128 rows per CTA); `splits` > 1 splits K across CTAs (one launch)."""
 
     kernel: int
     tile: int
@@ -137,23 +114,15 @@ class Plan:
         """CTA tiles in the (x, y) plane of the grid: the split-K counters needed."""
         if self.kernel == STREAM:
             return math.ceil(n_tiles / _STREAM_ROW_TILES) * math.ceil(m / (8 * self.tile))
-        if self.kernel == RING:
-            nb, shape = ring_nb_shape(self.tile)
-            return math.ceil(n_tiles / RING_SHAPES[shape][0]) * math.ceil(m / (8 * nb))
         return math.ceil(n_tiles / (_WGMMA_ROW_TILES_PER_WG * self.tile)) * math.ceil(m / _WGMMA_TOKENS)
 
     def name(self) -> str:
-        if self.kernel == RING:
-            nb, shape = ring_nb_shape(self.tile)
-            rt, wk, u, s = RING_SHAPES[shape]
-            return f"ring NB={nb} shape={shape} ({rt}x{wk} warps, U={u}, S={s}) splits={self.splits}"
         return f"{('stream', 'wgmma')[self.kernel]} tile={self.tile} splits={self.splits}"
 
 
 def check_plan(p: Plan, k_tiles: int) -> None:
     """A plan the library can launch (PLAN_OVERRIDE may hold any): raise ValueError if not."""
-    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2),
-             RING: tuple(ring_tile(nb, s) for s in range(len(RING_SHAPES)) for nb in RING_NB)}
+    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2)}
     if p.kernel not in tiles or p.tile not in tiles[p.kernel]:
         raise ValueError(f"no kernel {p.kernel} with tile {p.tile}: kernels and tiles are {tiles}")
     most = math.ceil(k_tiles / 4) if p.kernel == WGMMA else k_tiles  # wgmma splits whole 4-k-tile stages
@@ -166,23 +135,8 @@ def stream_tile(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
 
 
-def plan_ring(m: int, n_tiles: int, k_tiles: int, sms: int) -> Plan:
-    """The ring kernel's plan: NB as the stream kernel's, shape RING_SHAPE, and K split only
-    until every multiprocessor has a CTA (a split adds a round trip through the workspace;
-    one CTA of 8 warps already keeps 64 KB of weights in flight), never below one full
-    chunk per warp."""
-    nb = min(stream_tile(m), 4)  # the ring kernel is built for NB <= 4 (M <= 32)
-    _, wk, u, _ = RING_SHAPES[RING_SHAPE]
-    tiles = Plan(RING, ring_tile(nb), 1).grid_tiles(m, n_tiles)
-    splits = math.ceil(0.9 * sms / tiles)
-    return Plan(RING, ring_tile(nb), max(1, min(splits, k_tiles // (wk * u), MAX_SPLITS)))
-
-
-def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, ring: bool | None = None) -> Plan:
+def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool) -> Plan:
     """The tile configuration for an [m, 32*k_tiles] x [32*n_tiles, 32*k_tiles]^T GEMM.
-
-    With `ring` (default USE_RING, i.e. QOQTOOL_RING=1) and Hopper, M <= 32 takes the ring
-    kernel (plan_ring); otherwise as follows.
 
     M <= 32 (or no Hopper): the stream kernel. The GEMM is a weight stream bounded by memory
     bandwidth; tokens per CTA grow with M (8, 16, 32, 64: NB = 1, 2, 4, 8) so that each weight
@@ -198,8 +152,6 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, ring: bool 
     ~10% dearer; this reproduces the ranking of every configuration measured on 8192 x 8192
     for M = 32..512 (notes-gemm.md).
     """
-    if hopper and m <= RING_MAX_M and (USE_RING if ring is None else ring):
-        return plan_ring(m, n_tiles, k_tiles, sms)
     if m < _WGMMA_MIN_M or not hopper:
         nb = stream_tile(m)
         p = Plan(STREAM, nb, 1)
@@ -422,8 +374,6 @@ def run_gemm(kind: str, *operands: Tensor, out_features: int, out: Tensor | None
     sms, hopper = _device_info(x_q.device.index)
     p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper)
     check_plan(p, kp // 32)
-    if p.kernel == RING and not hopper:  # the ring kernel exists for sm_90a only: same sums
-        p = Plan(STREAM, ring_nb_shape(p.tile)[0], p.splits)
     split = _split_buffers(p, m, n_tiles, x_q.device)  # workspace, counters
     _call(entry, p.kernel, p.tile, p.splits, *map(kl.ptr, operands), kl.ptr(out), int(out_i32), m, out_features,
           kp, *tail, *map(_ptr, split), kl.stream_of(x_q))
