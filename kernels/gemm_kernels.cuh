@@ -476,7 +476,7 @@ struct StreamThread {
 
 // One warp's chunk of U consecutive k-tiles, as loaded: its lanes' weight fragments, the B
 // fragments of its NB token blocks and, progressive, the level-1 parameter words of each of
-// the chunk's F flushes (F = U / GKc; see stream_kernel).
+// the chunk's F folds (F = U / GKc; see stream_kernel).
 template <Kind K, int NB, int U, int F>
 struct StreamChunk {
   uint4 w[U][kLaneBytes<K> / 16];
@@ -501,8 +501,9 @@ __device__ __forceinline__ int chunk_tile(int kt0, int u, int kt_end) {
 // mma whose A operand is all ones, and once per group folds both into the accumulator:
 //     acc += s1 * P - (z * s1) * X  =  sum_k (q - z) * s1 * x           (exact INT32)
 // That moves the level-1 work from per weight word (8 words a k-tile) to per accumulator and
-// group (2 multiply-adds per accumulator register every GKc k-tiles): ~85 -> ~35 instructions
-// per k-tile and warp at g128, NB = 1. Partial sums stay small (|P| <= 256 * 15 * 128 for
+// group (2 multiply-adds per accumulator register every GKc k-tiles): at g128 and NB = 1 the
+// loop drops from the 85 instructions per k-tile and warp profiled for version 4 to about 40
+// (counted in the source, not profiled). Partial sums stay small (|P| <= 256 * 15 * 128 for
 // GKc <= 8). Flushing part of a group (a chunk or a split ends inside it) is exact too: the
 // fold is linear. The fold's cost grows with the accumulators (8 NB registers) while the
 // per-word dequantization's does not, so from NB = 4 (M > 16) the kernel dequantizes per word
@@ -522,13 +523,15 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   static_assert(!OUTLIERS || (U % 2 == 0 && U / 2 <= kWarp), "a chunk holds U / 2 whole buckets, one lookup lane each");
   constexpr bool kProgressive = K == Kind::kProgressive;
   constexpr bool kFold = kProgressive && NB <= 2;  // group scaling in accumulator space (fold_group)
-  static_assert(!kProgressive || U % GKc == 0, "a chunk holds whole flushes");
+  static_assert(!kProgressive || U % GKc == 0, "a chunk holds whole folds");
   static_assert(kFold || GKc == 1, "per-word dequantization loads parameters per k-tile");
   constexpr int kBytes = kLaneBytes<K>;
   constexpr int CB = U / 2;                       // OUTLIERS: buckets per chunk
-  constexpr int F = kProgressive ? U / GKc : 1;   // progressive: parameter words per chunk
-  // Splits start on whole flushes (progressive) and whole buckets (OUTLIERS); chunks then do too.
-  constexpr int kAlign = (kProgressive ? GKc : 1) > (OUTLIERS ? 2 : 1) ? (kProgressive ? GKc : 1) : (OUTLIERS ? 2 : 1);
+  constexpr int F = kProgressive ? U / GKc : 1;   // progressive: parameter words (folds) per chunk
+  // Splits start on whole folds (progressive) and whole buckets (OUTLIERS), so chunks do too:
+  // both units are powers of two, and the larger is a multiple of the smaller.
+  constexpr int kFoldTiles = kProgressive ? GKc : 1, kBucketTiles = OUTLIERS ? 2 : 1;
+  constexpr int kAlign = kFoldTiles > kBucketTiles ? kFoldTiles : kBucketTiles;
   const StreamThread<NB, RT, WK, kAlign> th(p);
   const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;  // (lambdas below read th.kt_end)
 
@@ -537,8 +540,8 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   const uint32_t scratch = smem_u32(stream_dynamic) + warp * CB * kBucketTileBytes;
   if constexpr (OUTLIERS) zero_shared(scratch, CB * kBucketTileBytes, lane);
 
-  // The next kernel in the stream may start its own prologue (launch_maybe_pdl) as soon as
-  // this one's CTAs leave the multiprocessors.
+  // The next kernel of the stream (if launched by launch_maybe_pdl) may start once every CTA
+  // of this grid has come this far; its CTAs take the slots ours free.
   pdl_launch_dependents();
   int acc[2][NB][4] = {};
   float sparse[2][NB][4] = {};  // OUTLIERS: the fp32 outlier sums, same (row, token) as acc
@@ -590,7 +593,7 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
       constexpr uint32_t kOnes[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
 #pragma unroll
       for (int f = 0; f < F; ++f) {
-        int part[2][NB][4] = {}, xsum[NB][4] = {};  // kFold: this flush's P and X
+        int part[2][NB][4] = {}, xsum[NB][4] = {};  // kFold: this fold's P and X
 #pragma unroll
         for (int j = 0; j < (kProgressive ? GKc : U); ++j) {
           const int u = f * (kProgressive ? GKc : U) + j;
