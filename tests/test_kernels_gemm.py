@@ -389,6 +389,21 @@ def test_plan_picks_the_measured_best(m, n, k, kernel, tile, splits):
     assert cuda_ops.plan(m, n // 32, k // 32, 132, hopper=True) == cuda_ops.Plan(kernel, tile, splits)
 
 
+@pytest.mark.parametrize("bad", [
+    cuda_ops.Plan(cuda_ops.STREAM, 3, 1),   # NB 3
+    cuda_ops.Plan(cuda_ops.STREAM, 1, 0),   # no split
+    cuda_ops.Plan(cuda_ops.STREAM, 1, 24),  # more splits than k-tiles
+    cuda_ops.Plan(2, 1, 1),                 # no such kernel
+    cuda_ops.Plan(cuda_ops.WGMMA, 3, 1),    # three warpgroups
+    cuda_ops.Plan(cuda_ops.WGMMA, 1, 7),    # wgmma splits whole 4-k-tile stages
+], ids=lambda p: f"kernel{p.kernel}-tile{p.tile}-splits{p.splits}")
+def test_check_plan_refuses_what_no_kernel_runs(bad):
+    with pytest.raises(ValueError):
+        cuda_ops.check_plan(bad, 23)
+    cuda_ops.check_plan(cuda_ops.Plan(cuda_ops.STREAM, 8, 23), 23)  # the same checks pass valid plans
+    cuda_ops.check_plan(cuda_ops.Plan(cuda_ops.WGMMA, 2, 6), 23)
+
+
 def test_validation_rejects_bad_operands_on_the_cpu():
     x_q = torch.zeros(3, 64, dtype=torch.int8)
     x_scale = torch.zeros(3, dtype=torch.float16)
