@@ -60,6 +60,23 @@ def time_calls(calls) -> float:
     return ms * 1e3 / len(calls)
 
 
+def bf16_us(m: int, n: int, k: int, g) -> float:
+    """cuBLAS bf16 (torch.matmul) on [m, k] x [n, k]^T, timed like our kernels (time_calls)."""
+    xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
+    return time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
+
+
+def without_and_with_dependent_launch(calls) -> tuple[float, float]:
+    """time_calls(calls) with programmatic dependent launch off, then on (left on, the default)."""
+    times = []
+    for enabled in (False, True):
+        cuda_ops.set_dependent_launch(enabled)
+        times.append(time_calls(calls))
+    cuda_ops.set_dependent_launch(True)
+    return times[0], times[1]
+
+
 def rand_u8(shape, lo, hi, g):
     return torch.randint(lo, hi + 1, shape, dtype=torch.uint8, device="cuda", generator=g)
 
@@ -102,11 +119,7 @@ def measure_shape(n: int, k: int, m: int, g) -> dict:
     row["int_mm_us"] = time_calls([lambda w=w: torch._int_mm(a8, w[0].view(n, k).t()) for w in w8])
     del w8
 
-    copies16 = copies_for(n * k * 2, m)
-    xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies16)]
-    row["bf16_us"] = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
-    del wb
+    row["bf16_us"] = bf16_us(m, n, k, g)
 
     row["bytes_w4"] = w4_bytes + 2 * n + m * k + 2 * m + 2 * m * n + (2 * n * k // GROUP)
     row["ops"] = 2 * m * n * k
@@ -147,6 +160,37 @@ SMALL_SHAPES = [(8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336)]  # (N,
 SMALL_MS = [1, 8, 16, 32]
 
 
+def explore_stream(g, group: int = GROUP) -> list[dict]:
+    """The stream kernel's split counts for M <= 32, both W4 kinds, with cuBLAS bf16 in the same
+    run: whether the plan's choice is the best one."""
+    sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
+    op = {"per_group": torch.ops.qoqtool.w4a8_gemm_per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}
+    rows = []
+    for n, k in SMALL_SHAPES:
+        for m in SMALL_MS:
+            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+            x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
+            acts = {"per_group": (x_q, x_scale), "per_channel": (x_q, x_scale, x_q.sum(1, dtype=torch.int32))}
+            bf16 = bf16_us(m, n, k, g)
+            auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
+            plans = [auto] + [cuda_ops.Plan(cuda_ops.STREAM, auto.tile, s) for s in (1, 2, 4, 8)]
+            for kind in op:
+                weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
+                for p in dict.fromkeys(plans):
+                    cuda_ops.PLAN_OVERRIDE = p
+                    try:
+                        us = time_calls([lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
+                    finally:
+                        cuda_ops.PLAN_OVERRIDE = None
+                    rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": p.tile, "splits": p.splits,
+                                 "plan": p.name(), "auto": p == auto, "us": us, "bf16_us": bf16})
+                    print(f"  {kind:11s} M={m:2d} {n}x{k} {p.name():26s} {us:7.2f} us  bf16 {bf16:7.2f}  "
+                          f"{bf16 / us:5.2f}x{'  <- plan' if p == auto else ''}", flush=True)
+                del weights
+                torch.cuda.empty_cache()
+    return rows
+
+
 def fixed_and_rate(g, n: int = 8192, ks=(2048, 4096, 8192, 16384, 32768)) -> list[str]:
     """M = 1 on N x K for growing K, ours (per-group, the plan) and cuBLAS bf16: a least-squares
     line time = fixed + bytes / rate splits each into a fixed cost per call and a streaming rate."""
@@ -159,10 +203,7 @@ def fixed_and_rate(g, n: int = 8192, ks=(2048, 4096, 8192, 16384, 32768)) -> lis
         us = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
         pts["per_group"].append((n * k // 2 + 2 * n * k // GROUP, us))
         del weights
-        xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, 1))]
-        pts["bf16"].append((2 * n * k, time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])))
-        del wb
+        pts["bf16"].append((2 * n * k, bf16_us(1, n, k, g)))
         torch.cuda.empty_cache()
     lines = [f"M = 1, N = {n}, K in {list(ks)}: time = fixed + bytes / rate (least squares)"]
     for name, p in pts.items():
@@ -186,10 +227,7 @@ def dependent_launch_ab(g) -> list[str]:
     lines = ["us (x bf16) without / with programmatic dependent launch; W4A8 per-group g128, W4A16 g128",
              f"{'kind':5s} {'M':>3} {'N x K':>11} | {'bf16':>7} | {'plain':>12} {'dependent':>12}"]
     for kind, m, n, k in cases:
-        xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
-        bf16 = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
-        del wb
+        bf16 = bf16_us(m, n, k, g)
         if kind == "w4a8":
             x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
             x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
@@ -202,12 +240,8 @@ def dependent_launch_ab(g) -> list[str]:
                         (torch.rand(nt, groups, 32, device="cuda", generator=g) * 1e-2).half(),
                         rand_u8((nt, groups, 32), 0, 15, g)) for _ in range(copies_for(n * k // 2, m))]
             call = lambda w: torch.ops.qoqtool.w4a16_gemm(x, *w, n)  # noqa: E731
-        cells = []
-        for enabled in (False, True):
-            cuda_ops.set_dependent_launch(enabled)
-            us = time_calls([lambda w=w: call(w) for w in weights])
-            cells.append(f" {us:6.2f}({bf16 / us:.2f})")
-        cuda_ops.set_dependent_launch(True)
+        times = without_and_with_dependent_launch([lambda w=w: call(w) for w in weights])
+        cells = [f" {us:6.2f}({bf16 / us:.2f})" for us in times]
         del weights
         torch.cuda.empty_cache()
         lines.append(f"{kind:5s} {m:3d} {n:>5}x{k:<5} | {bf16:7.2f} |" + "".join(cells))
@@ -229,11 +263,7 @@ def decode_chain(g) -> list[str]:
             x_q, x_scale, _ = torch.ops.qoqtool.rmsnorm_quantize(x, norm, 1e-5, k)
             return torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n)
 
-        cells = []
-        for enabled in (False, True):
-            cuda_ops.set_dependent_launch(enabled)
-            cells.append(time_calls([lambda w=w: pair(w) for w in weights]))
-        cuda_ops.set_dependent_launch(True)
+        cells = without_and_with_dependent_launch([lambda w=w: pair(w) for w in weights])
         del weights
         torch.cuda.empty_cache()
         lines.append(f"  {n:>5}x{k:<5}  {cells[0]:6.2f}  {cells[1]:6.2f}  ({cells[0] - cells[1]:+.2f})")
@@ -312,7 +342,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="M in {1, 16, 256, 4096} on two shapes only")
     ap.add_argument("--explore", action="store_true", help="also time every kernel choice for mid-sized M")
     ap.add_argument("--explore-stream", type=int, nargs="?", const=GROUP, default=None, metavar="GROUP",
-                    help="only the stream kernel's split counts for M <= 32 against bf16 (group size GROUP)")
+                    help="only the small-M studies against bf16 (dependent launch on/off, the decode pair, "
+                         "the stream kernel's split counts with group size GROUP, the line fit)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -587,7 +587,6 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
       else load(c, kt0, std::false_type{}, weights);
     };
 
-
     // The dense products of one loaded chunk.
     auto compute = [&](const Chunk& c, int kt0) {
       constexpr uint32_t kOnes[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};

@@ -103,7 +103,8 @@ extern "C" int qoq_w4a8_sparse_dense_gemm_per_channel(int tile, int splits, cons
   return qoq::gemm::launch_sparse_dense<Kind::kUInt4Channel>(p, tile, stream);
 }
 
-// Whether the stream kernels go out as programmatic dependent launches (benchmarks compare).
+// Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
+// (gemm_kernels.cuh, dependent_launch; benchmarks compare).
 extern "C" int qoq_gemm_set_dependent_launch(int enabled) {
   qoq::gemm::dependent_launch() = enabled != 0;
   return cudaSuccess;
