@@ -2,6 +2,7 @@
 
     python benchmarks/gemm.py [--quick] [--explore] [--json PATH]
     python benchmarks/gemm.py --explore-stream [GROUP] [--json PATH]   stream splits vs bf16
+    python benchmarks/gemm.py --explore-wgmma [--json PATH]            wgmma choices, M = 64..512
 
 For M in {1, 16, 64, 256, 1024, 4096, 8192} x (N, K) in the five shapes of issue 4:
   w4a8 per-group (QoQ progressive, g128), w4a8 per-channel, w8a8 (ours),
@@ -271,6 +272,70 @@ def decode_chain(g) -> list[str]:
     return lines
 
 
+WGMMA_SHAPES = [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 11008)]  # (N, K)
+WGMMA_MS = [64, 128, 256, 512]
+
+
+def explore_wgmma(g) -> tuple[list[dict], list[str]]:
+    """The wgmma kernel for mid-sized M: every warpgroup count x split count (what cuda_ops.plan
+    picks between), per-group g128, cuBLAS bf16 and torch._int_mm in the same run; then a line
+    fit over K (M = 128, N = 4096, one warpgroup, unsplit) of time = fixed + stages x cost."""
+    sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
+    rows = []
+    for n, k in WGMMA_SHAPES:
+        for m in WGMMA_MS:
+            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+            x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
+            weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
+            bf16 = bf16_us(m, n, k, g)
+            w8 = [torch.randint(-127, 128, (k, n), dtype=torch.int8, device="cuda", generator=g).t().contiguous().t()
+                  for _ in range(copies_for(n * k, m))]
+            int_mm = time_calls([lambda w=w: torch._int_mm(x_q, w) for w in w8])
+            del w8
+            auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
+            plans = [auto] + [cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 2, 4, 8)]
+            for p in dict.fromkeys(plans):
+                cuda_ops.PLAN_OVERRIDE = p
+                try:
+                    us = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
+                finally:
+                    cuda_ops.PLAN_OVERRIDE = None
+                rows.append({"M": m, "N": n, "K": k, "plan": p.name(), "tile": p.tile, "splits": p.splits,
+                             "auto": p == auto, "us": us, "bf16_us": bf16, "int_mm_us": int_mm})
+                print(f"  M={m:4d} {n:>5}x{k:<5} {p.name():26s} {us:8.2f} us  bf16 {bf16:7.2f} ({bf16 / us:4.2f}x)  "
+                      f"int_mm {int_mm:7.2f} ({int_mm / us:4.2f}x){'  <- plan' if p == auto else ''}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    lines = ["wgmma kernel, per-group g128: plan's choice and the best of 1-2 warpgroups x 1-8 splits",
+             f"{'M':>4} {'N x K':>11} | {'bf16':>7} {'int_mm':>7} | {'plan':>26} {'us':>7} | {'best':>26} {'us':>7} | best/bf16"]
+    for n, k in WGMMA_SHAPES:
+        for m in WGMMA_MS:
+            rs = [r for r in rows if (r["M"], r["N"], r["K"]) == (m, n, k)]
+            auto, best = next(r for r in rs if r["auto"]), min(rs, key=lambda r: r["us"])
+            lines.append(f"{m:4d} {n:>5}x{k:<5} | {auto['bf16_us']:7.2f} {auto['int_mm_us']:7.2f} | {auto['plan']:>26} "
+                         f"{auto['us']:7.2f} | {best['plan']:>26} {best['us']:7.2f} | {auto['bf16_us'] / best['us']:.2f}x")
+    # Fixed cost and cost per 128-wide pipeline stage of one CTA.
+    m, n, pts = 128, 4096, []
+    x_q = torch.randint(-127, 128, (m, 8192), dtype=torch.int8, device="cuda", generator=g)
+    x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
+    for k in (512, 1024, 2048, 4096, 8192):
+        weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
+        xk = x_q[:, :k].contiguous()
+        cuda_ops.PLAN_OVERRIDE = cuda_ops.Plan(cuda_ops.WGMMA, 1, 1)
+        try:
+            pts.append((k // 128, time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(xk, x_scale, *w, n)
+                                             for w in weights])))
+        finally:
+            cuda_ops.PLAN_OVERRIDE = None
+        del weights
+    st = torch.tensor([x for x, _ in pts], dtype=torch.float64)
+    t = torch.tensor([y for _, y in pts], dtype=torch.float64)
+    slope = ((st - st.mean()) * (t - t.mean())).sum() / ((st - st.mean()) ** 2).sum()
+    lines += ["", f"wgmma, 1 warpgroup, unsplit, M = {m}, N = {n}: time = {t.mean() - slope * st.mean():.2f} us + "
+              f"stages x {slope:.3f} us; " + ", ".join(f"{x} stages {y:.2f} us" for x, y in pts)]
+    return rows, lines
+
+
 def summarize_stream(rows: list[dict]) -> list[str]:
     """Per kind, M and shape: the plan's time and the best split count, as ratios to bf16."""
     lines = [f"{'kind':11s} {'M':>2} {'N x K':>11} | {'bf16':>7} {'plan':>7} {'best':>7} | {'plan x':>6} {'best x':>6}  best"]
@@ -344,6 +409,8 @@ def main() -> None:
     ap.add_argument("--explore-stream", type=int, nargs="?", const=GROUP, default=None, metavar="GROUP",
                     help="only the small-M studies against bf16 (dependent launch on/off, the decode pair, "
                          "the stream kernel's split counts with group size GROUP, the line fit)")
+    ap.add_argument("--explore-wgmma", action="store_true",
+                    help="only the wgmma kernel's choices for M in {64..512} against bf16 and int_mm, and its fixed cost")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -351,6 +418,14 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if args.explore_wgmma:
+        rows, table = explore_wgmma(g)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "explore_wgmma": rows,
+                           "table": table}, f, indent=1)
+        print("\n" + "\n".join(table))
+        return
     if args.explore_stream:
         ab = dependent_launch_ab(g) + [""] + decode_chain(g)
         rows = explore_stream(g, args.explore_stream)

@@ -1,10 +1,11 @@
-"""Small-M GEMM kernels under Nsight Compute (where the time goes; no timing here).
+"""GEMM kernels under Nsight Compute (where the time goes; no timing here).
 
-    ncu --kernel-name regex:"stream_kernel" --section SpeedOfLight ... \
-        python benchmarks/profile_gemm.py [--n 8192 --k 8192 --m 1]
+    ncu --kernel-name regex:"stream_kernel|wgmma_kernel" --section SpeedOfLight ... \
+        python benchmarks/profile_gemm.py [--n 8192 --k 8192 --m 1] [--plan KERNEL,TILE,SPLITS]
 
-Runs, twice each, the per-group and per-channel W4A8 and the W8A8 GEMMs with the stream plan,
-on random operands.
+Runs, twice each, the per-group and per-channel W4A8 and the W8A8 GEMMs with the plan
+cuda_ops.plan picks (or --plan, e.g. 1,2,1 for wgmma with two warpgroups, unsplit), on random
+operands.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--k", type=int, default=8192)
     ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--plan", default=None, help="KERNEL,TILE,SPLITS (cuda_ops.Plan) instead of the plan's choice")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     x_q = torch.randint(-127, 128, (a.m, a.k), dtype=torch.int8, device="cuda", generator=g)
@@ -31,11 +33,11 @@ def main() -> None:
     x_rowsum = x_q.sum(1, dtype=torch.int32)
     w8 = (torch.randint(-127, 128, (a.n // 32, a.k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
           (torch.rand(a.n, device="cuda", generator=g) * 1e-3).half())
-    stream = cuda_ops.plan(a.m, a.n // 32, a.k // 32, 132, True)
-    for label, plan, call in [("per_group stream", stream, lambda: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, a.n)),
-                              ("per_channel stream", stream,
+    chosen = cuda_ops.Plan(*map(int, a.plan.split(","))) if a.plan else cuda_ops.plan(a.m, a.n // 32, a.k // 32, 132, True)
+    for label, plan, call in [("per_group", chosen, lambda: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, a.n)),
+                              ("per_channel", chosen,
                                lambda: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *wc, a.n)),
-                              ("w8a8 stream", stream, lambda: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w8, a.n))]:
+                              ("w8a8", chosen, lambda: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w8, a.n))]:
         cuda_ops.PLAN_OVERRIDE = plan
         for _ in range(2):
             call()

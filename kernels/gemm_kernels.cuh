@@ -24,7 +24,8 @@
 //     wgmma.m64n128k32 with A from registers and B from shared memory. A warpgroup owns 4
 //     row tiles (128 rows): warp w holds row tile w, and the tile's two m16 blocks go to two
 //     wgmma instructions (block 0 of all four warps, then block 1), so every lane still reads
-//     its 16 bytes with one 128-bit load.
+//     its 16 bytes with one 128-bit load. The INT32 tile then goes through shared memory
+//     so that split-K partials and outputs move as coalesced vectors (wgmma_epilogue).
 //
 // Split-K across CTAs (both kernels): each split writes its INT32 partial sums to a
 // workspace; the last CTA of a tile to arrive (an atomic counter per tile) adds the others
@@ -172,10 +173,14 @@ __device__ __forceinline__ int split_begin(int n, int z, int splits) {
 // The dense value of out[m, n] from its INT32 accumulator (after the per-channel zero-point
 // term), in the reference path's order of float operations (quantizers.formats.*.linear_int8).
 template <Kind K>
-__device__ __forceinline__ float dense_result(const Params& p, int m, int n, int acc) {
-  const float sx = __half2float(p.x_scale[m]), sw = __half2float(p.scale[n]);
+__device__ __forceinline__ float dense_value(int acc, float sx, float sw) {
   // UInt4Weight.linear_int8 scales by the weight first, the others by the token first.
   return K == Kind::kUInt4Channel ? (static_cast<float>(acc) * sw) * sx : (static_cast<float>(acc) * sx) * sw;
+}
+
+template <Kind K>
+__device__ __forceinline__ float dense_result(const Params& p, int m, int n, int acc) {
+  return dense_value<K>(acc, __half2float(p.x_scale[m]), __half2float(p.scale[n]));
 }
 
 template <Kind K>
@@ -205,25 +210,11 @@ __device__ __forceinline__ void store_result_with_outliers(const Params& p, int 
   static_cast<__half*>(p.out)[static_cast<size_t>(m) * p.N + n] = __float2half_rn(y);
 }
 
-// Split-K across CTAs. `visit(f)` calls f(m, n, int& acc) for every accumulator this thread
-// holds (threads holding none call nothing); the fused sparse-dense kernel's visit calls
-// f(m, n, int& acc, float& sparse), and the fp32 outlier partials travel through
-// p.sparse_workspace beside the INT32 ones (`sparse...` is empty for the dense kernels).
-// Every thread of the CTA must call this. Returns true in the CTA that must run the
-// epilogue: the only one when splits == 1, otherwise the last split to arrive, with the
-// other splits' partials added to its own.
-template <class Visit>
-__device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
-  if (p.splits == 1) return true;
+// After this CTA has written its split's partials: counts it in, and returns true in the last
+// split of the tile to arrive (which resets the counter for the next launch), once every
+// other split's partials are visible to it. Every thread of the CTA must call this.
+__device__ __forceinline__ bool arrive_last_split(const Params& p) {
   __shared__ int last_split;
-  const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;
-  int32_t* mine = p.workspace + blockIdx.z * slice;
-  visit([&](int m, int n, int& acc, auto&... sparse) {
-    if (m < p.M) {
-      mine[m * ld + n] = acc;
-      ((p.sparse_workspace[blockIdx.z * slice + m * ld + n] = sparse), ...);
-    }
-  });
   __threadfence();  // our partials are visible device-wide before we are counted
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -234,6 +225,28 @@ __device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
   __syncthreads();
   if (!last_split) return false;
   __threadfence();
+  return true;
+}
+
+// Split-K across CTAs. `visit(f)` calls f(m, n, int& acc) for every accumulator this thread
+// holds (threads holding none call nothing); the fused sparse-dense kernel's visit calls
+// f(m, n, int& acc, float& sparse), and the fp32 outlier partials travel through
+// p.sparse_workspace beside the INT32 ones (`sparse...` is empty for the dense kernels).
+// Every thread of the CTA must call this. Returns true in the CTA that must run the
+// epilogue: the only one when splits == 1, otherwise the last split to arrive, with the
+// other splits' partials added to its own.
+template <class Visit>
+__device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
+  if (p.splits == 1) return true;
+  const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;
+  int32_t* mine = p.workspace + blockIdx.z * slice;
+  visit([&](int m, int n, int& acc, auto&... sparse) {
+    if (m < p.M) {
+      mine[m * ld + n] = acc;
+      ((p.sparse_workspace[blockIdx.z * slice + m * ld + n] = sparse), ...);
+    }
+  });
+  if (!arrive_last_split(p)) return false;
 #pragma unroll 1
   for (int z = 0; z < p.splits; ++z) {
     if (z == static_cast<int>(blockIdx.z)) continue;
@@ -705,6 +718,135 @@ struct WgmmaShape {
   static_assert(kStages >= 3, "the pipeline needs three stages");
 };
 
+// The wgmma kernel's split-K and epilogue go through shared memory. A lane's accumulators
+// are scattered over the tile (d[i] of m16 block b of warp w: row 32w + 16b + g + 8((i>>1)&1),
+// token 8(i>>2) + 2t + (i&1)), and storing them where they lie (what reduce_splits and
+// store_result do for the stream kernel, with a handful per lane) cost the wgmma kernel one
+// dependent global load/store chain per accumulator: 128 round trips per thread, a fixed
+// 20-29 us per wave of CTAs (benchmarks/notes-gemm.md, version 6; now 4.7 us). Staged as a [128 tokens] x
+// [rows] INT32 tile, each thread owns instead 32 chunks of 4 consecutive rows of one token
+// (tokens 4 apart): partial sums move as coalesced 16-byte loads and stores, 16 in flight
+// at once, and the scales are read before anything is stored.
+template <int WGS>
+struct WgmmaStaging {
+  static constexpr int kRows = 128 * WGS;                // rows of the CTA's tile
+  static constexpr int kPitch = kRows + 4;               // words per token: +4 puts a warp's 32 staging stores on 32 banks
+  static constexpr int kChunks = kRows / 4;              // 16-byte chunks per token
+  static constexpr int kTokenStep = 128 * WGS / kChunks; // = 4 tokens per pass of the CTA's threads
+  static constexpr int kPasses = 128 / kTokenStep;       // = 32 chunks per thread
+  static constexpr int kBytes = 128 * kPitch * 4;
+};
+
+__device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
+  return static_cast<uint32_t>(__half_as_ushort(lo)) | static_cast<uint32_t>(__half_as_ushort(hi)) << 16;
+}
+
+__device__ __forceinline__ void add4(int4& a, const int4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
+}
+
+template <Kind K, int WGS>
+__device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2][64], int* tile, int m0, int nt0) {
+  using T = WgmmaStaging<WGS>;
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < 64; ++i)
+      tile[(8 * (i >> 2) + 2 * t + (i & 1)) * T::kPitch + 32 * warp + 16 * b + g + 8 * ((i >> 1) & 1)] = acc[b][i];
+  __syncthreads();
+
+  const int c = tid % T::kChunks, first = tid / T::kChunks;  // rows n0..n0+3 of tokens m0 + first + 4j
+  const int n0 = nt0 * 32 + 4 * c;
+  auto token = [&](int j) { return m0 + first + T::kTokenStep * j; };
+  auto staged = [&](int j) { return *reinterpret_cast<const int4*>(tile + (first + T::kTokenStep * j) * T::kPitch + 4 * c); };
+  const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;  // workspace [split][M][NT*32]
+  const bool rows_in = n0 < static_cast<int>(ld);  // false past the last row tile (grid rounding)
+  if (p.splits > 1) {  // as reduce_splits, in whole chunks
+    int32_t* mine = p.workspace + blockIdx.z * slice + n0;
+#pragma unroll 4
+    for (int j = 0; j < T::kPasses; ++j)
+      if (rows_in && token(j) < p.M) *reinterpret_cast<int4*>(mine + token(j) * ld) = staged(j);
+    if (!arrive_last_split(p)) return;
+  }
+  if (n0 >= p.N) return;
+
+  // Whole chunks (N % 4 == 0, so n0 < N means all four rows are in) go out as one vector store.
+  const bool whole = p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+  float sw[4];
+  int zero[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const bool in = n0 + r < p.N;
+    sw[r] = in ? __half2float(p.scale[n0 + r]) : 0.f;
+    zero[r] = K == Kind::kUInt4Channel && in ? static_cast<int>(p.zero[n0 + r]) : 0;
+  }
+  // Blocks of 16 tokens: the other splits' partials (16 loads in flight per split) and the
+  // tokens' scales are all read before the block's stores.
+  constexpr int kBlock = 16;
+#pragma unroll 1
+  for (int j0 = 0; j0 < T::kPasses; j0 += kBlock) {
+    int4 v[kBlock];
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) v[j] = staged(j0 + j);
+#pragma unroll 1
+    for (int z = 0; z < p.splits; ++z) {
+      if (z == static_cast<int>(blockIdx.z)) continue;
+      const int32_t* theirs = p.workspace + z * slice + n0;
+      int4 w[kBlock];
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) {
+        const int m = token(j0 + j);
+        w[j] = m < p.M ? __ldcg(reinterpret_cast<const int4*>(theirs + m * ld)) : make_int4(0, 0, 0, 0);  // L2: L1 is not coherent
+      }
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) add4(v[j], w[j]);
+    }
+    float sx[kBlock];
+    int rowsum[kBlock];
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+      const int m = token(j0 + j);
+      sx[j] = m < p.M ? __half2float(p.x_scale[m]) : 0.f;
+      rowsum[j] = K == Kind::kUInt4Channel && m < p.M ? p.x_rowsum[m] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+      const int m = token(j0 + j);
+      if (m >= p.M) continue;
+      int a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] -= zero[r] * rowsum[j];  // per-channel zero point (0 otherwise)
+      const size_t at = static_cast<size_t>(m) * p.N + n0;
+      if (p.out_i32) {
+        int32_t* out = static_cast<int32_t*>(p.out) + at;
+        if (whole) {
+          *reinterpret_cast<int4*>(out) = make_int4(a[0], a[1], a[2], a[3]);
+        } else {
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            if (n0 + r < p.N) out[r] = a[r];
+        }
+        continue;
+      }
+      __half y[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) y[r] = __float2half_rn(dense_value<K>(a[r], sx[j], sw[r]));
+      __half* out = static_cast<__half*>(p.out) + at;
+      if (whole) {
+        *reinterpret_cast<uint2*>(out) = make_uint2(pack_half2(y[0], y[1]), pack_half2(y[2], y[3]));
+      } else {
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          if (n0 + r < p.N) out[r] = y[r];
+      }
+    }
+  }
+}
+
 template <Kind K, int WGS>
 __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if QOQ_HAS_WGMMA
@@ -715,7 +857,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
   const uint32_t smem = (smem_u32(smem_raw) + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
   const uint32_t full = smem_u32(&bars[0]), empty = smem_u32(&bars[S::kStages]);
 
-  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4;
   const int nt0 = blockIdx.x * S::kRT, m0 = blockIdx.y * S::kBN;
   // Splits are whole stages, so a stage always starts at a multiple of 4 k-tiles and never
   // straddles a group (groups are 32 * 2^j wide).
@@ -770,21 +912,28 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
 
     const uint32_t base = smem + (s % S::kStages) * S::kStage;
     const int kt0 = kt_begin + s * S::kKT, kts = min(S::kKT, p.KT - kt0);
+    // All of the stage's fragments first: their shared-memory latencies overlap, and each
+    // k-tile's wgmmas then wait only for its own dequantization.
+    Fragment<K> f[S::kKT];
 #pragma unroll
     for (int kk = 0; kk < S::kKT; ++kk) {
       if (kk < kts) {
-        Fragment<K> f;
         const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
 #pragma unroll
-        for (int h = 0; h < kBytes / 16; ++h) f.w[h] = lds_v4(wtile + 16 * h);
+        for (int h = 0; h < kBytes / 16; ++h) f[kk].w[h] = lds_v4(wtile + 16 * h);
         if constexpr (K == Kind::kProgressive) {
           const int local_group = ((kt0 + kk) >> p.group_shift) - (kt0 >> p.group_shift);
           const uint32_t params = base + S::kXBytes + S::kWBytes + (rt * gps + local_group) * 32 + 4 * g;
-          f.s1 = lds_u32(params);
-          f.zs1 = lds_u32(params + param_box);
+          f[kk].s1 = lds_u32(params);
+          f[kk].zs1 = lds_u32(params + param_box);
         }
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < S::kKT; ++kk) {
+      if (kk < kts) {
         uint32_t a[2][4];
-        f.to_a(a);
+        f[kk].to_a(a);
         wgmma_fence();  // a[] was written by ordinary instructions
         const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
         wgmma_m64n128k32_rs(acc[0], a[0], desc);
@@ -796,18 +945,9 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
     if (s >= 1 && lane == 0) mbar_arrive(empty + 8 * ((s - 1) % S::kStages));
   }
   wgmma_wait<0>();
-
-  // d[i] of m16 block b: row tile rt, row 16b + g + 8*((i>>1)&1); token 8*(i>>2) + 2t + (i&1).
-  const int nt = nt0 + rt;
-  auto visit = [&](auto&& f) {
-    if (nt >= p.NT) return;
-#pragma unroll
-    for (int b = 0; b < 2; ++b)
-#pragma unroll
-      for (int i = 0; i < 64; ++i)
-        f(m0 + 8 * (i >> 2) + 2 * t + (i & 1), nt * 32 + 16 * b + g + 8 * ((i >> 1) & 1), acc[b][i]);
-  };
-  if (reduce_splits(p, visit)) visit([&](int m, int n, int& v) { store_result<K>(p, m, n, v); });
+  __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
+  static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS>::kBytes, "the staging tile must fit in the pipeline's slots");
+  wgmma_epilogue<K, WGS>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
 #endif  // QOQ_HAS_WGMMA
 }
 

@@ -96,8 +96,14 @@ _STREAM_CHUNK = {1: 8, 2: 8, 4: 4, 8: 2}
 _STREAM_CTAS_PER_SM = {1: 2, 2: 2, 4: 2, 8: 1}
 _WGMMA_TOKENS, _WGMMA_ROW_TILES_PER_WG = 128, 4
 _WGMMA_MIN_M = 33  # measured on the H200 (benchmarks/notes-gemm.md): wgmma wins from M = 64, stream at M = 32
-_WGMMA_TWO_WG_GAIN = 1.1  # two warpgroups sharing one activation tile: ~11% more MAC/s per CTA (measured)
-_SPLIT_COST = 0.1  # relative cost of each extra K split (partials through the workspace)
+# The wgmma kernel's time, fitted by least squares to every (warpgroups, splits) choice of
+# benchmarks/gemm.py --explore-wgmma on the H200 (M = 64..512, four shapes; notes-gemm.md,
+# version 6): per wave of CTAs a fixed cost plus a cost per 128-wide pipeline stage of one CTA
+# (two warpgroups do twice the rows in ~1.55x the time), and per extra K split the partials'
+# round trip through the workspace. Microseconds.
+_WGMMA_WAVE_US = 6.9
+_WGMMA_STAGE_US = {1: 0.72, 2: 1.12}
+_WGMMA_SPLIT_US = 1.5
 MAX_SPLITS = 8
 
 
@@ -144,13 +150,11 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool) -> Plan:
     run (enough 128-bit loads in flight), but never so far that a warp of a split gets less
     than one full chunk of k-tiles.
       M <= 8: NB 1 | <= 16: NB 2 | <= 32: NB 4 | larger (no Hopper): NB 8, ceil(M / 64) token tiles
-    M > 32 on Hopper: the wgmma kernel, 128 tokens per CTA, one CTA per multiprocessor. Two
-    warpgroups (256 rows) per CTA, unsplit, whenever that grid fills the GPU: two warpgroups
-    do twice the rows of one in ~1.2x the time (measured). Smaller grids: among 1 or 2
-    warpgroups and 1..8 K splits (at least 4 pipeline stages each), the least modelled time,
-    waves of CTAs x work per CTA with two warpgroups ~10% more efficient and each extra split
-    ~10% dearer; this reproduces the ranking of every configuration measured on 8192 x 8192
-    for M = 32..512 (notes-gemm.md).
+    M > 32 on Hopper: the wgmma kernel, 128 tokens per CTA, one CTA per multiprocessor, with
+    1 or 2 warpgroups (128 or 256 rows) and 1..8 K splits (whole pipeline stages): the least
+    time in a model fitted to the measurements (_WGMMA_*: waves x (fixed + stages per split x
+    cost per stage) + cost per extra split), which picks the fastest of the 16 measured
+    choices in each of the 16 measured cases (M = 64..512 on four shapes).
     """
     if m < _WGMMA_MIN_M or not hopper:
         nb = stream_tile(m)
@@ -159,16 +163,14 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool) -> Plan:
         full_chunks = max(1, k_tiles // (_STREAM_WARPS_K * _STREAM_CHUNK[nb]))
         splits = round(target / p.grid_tiles(m, n_tiles))
         return Plan(STREAM, nb, max(1, min(splits, full_chunks, MAX_SPLITS)))
-    if Plan(WGMMA, 2, 1).grid_tiles(m, n_tiles) >= sms:
-        return Plan(WGMMA, 2, 1)
+    stages = math.ceil(k_tiles / 4)
     best, best_cost = None, math.inf
     for wgs in (2, 1):
         tiles = Plan(WGMMA, wgs, 1).grid_tiles(m, n_tiles)
-        max_splits = max(1, min(MAX_SPLITS, k_tiles // 16)) if tiles < sms else 1  # split only a grid under one wave
-        for splits in range(1, max_splits + 1):
+        for splits in range(1, min(MAX_SPLITS, stages) + 1):
             waves = math.ceil(tiles * splits / sms)
-            cost = waves * wgs * math.ceil(k_tiles / splits) * (1 + _SPLIT_COST * (splits - 1))
-            cost /= _WGMMA_TWO_WG_GAIN if wgs == 2 else 1.0
+            cost = waves * (_WGMMA_WAVE_US + math.ceil(stages / splits) * _WGMMA_STAGE_US[wgs])
+            cost += _WGMMA_SPLIT_US * (splits - 1)
             if cost < best_cost:
                 best, best_cost = Plan(WGMMA, wgs, splits), cost
     return best
