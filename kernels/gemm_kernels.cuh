@@ -695,8 +695,8 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
 //   [activations 128 x 128 B, swizzled][weights: row tile x k-tile x lane x 16 B, the packed
 //    order][progressive: scale1 box, z*s1 box: row tile x group x 32 B]
 // all brought by TMA (rows and k-tiles past the end arrive as zeros). Thread 0 issues the
-// copies S-2 stages ahead and they complete on the stage's `full` mbarrier; each warp
-// arrives on the stage's `empty` mbarrier once its wgmmas of that stage are done, which
+// copies S-1 stages ahead and they complete on the stage's `full` mbarrier; each warp
+// arrives on the stage's `empty` mbarrier once its wgmmas of that stage have retired, which
 // lets thread 0 reuse the slot. Warpgroups never wait for each other otherwise.
 
 struct TmaMaps {
@@ -899,10 +899,10 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
     for (int i = 0; i < 64; ++i) acc[b][i] = 0;
 
   if (tid == 0)
-    for (int s = 0; s < S::kStages - 2 && s < n_stages; ++s) issue(s);
+    for (int s = 0; s < S::kStages - 1 && s < n_stages; ++s) issue(s);
   const int rt = warp;  // this warp's row tile in the CTA (warp w of warpgroup q: 4q + w)
   for (int s = 0; s < n_stages; ++s) {
-    const int ahead = s + S::kStages - 2;  // refill the slot of stage s-2, released in iteration s-1
+    const int ahead = s + S::kStages - 1;  // refill the slot of stage s-1, released at the end of iteration s-1
     if (tid == 0 && ahead < n_stages) {
       if (ahead >= S::kStages) mbar_wait(empty + 8 * (ahead % S::kStages), (ahead / S::kStages - 1) & 1);
       issue(ahead);
@@ -911,40 +911,42 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
     __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
 
     const uint32_t base = smem + (s % S::kStages) * S::kStage;
-    const int kt0 = kt_begin + s * S::kKT, kts = min(S::kKT, p.KT - kt0);
-    // All of the stage's fragments first: their shared-memory latencies overlap, and each
-    // k-tile's wgmmas then wait only for its own dequantization.
+    // All of the stage's fragments first: their shared-memory latencies overlap. No k-tile is
+    // skipped in the last, partial stage: TMA filled the k-tiles past K with zeros (weights,
+    // group parameters and activations alike), and they add zero.
     Fragment<K> f[S::kKT];
 #pragma unroll
     for (int kk = 0; kk < S::kKT; ++kk) {
-      if (kk < kts) {
-        const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
+      const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
 #pragma unroll
-        for (int h = 0; h < kBytes / 16; ++h) f[kk].w[h] = lds_v4(wtile + 16 * h);
-        if constexpr (K == Kind::kProgressive) {
-          const int local_group = ((kt0 + kk) >> p.group_shift) - (kt0 >> p.group_shift);
-          const uint32_t params = base + S::kXBytes + S::kWBytes + (rt * gps + local_group) * 32 + 4 * g;
-          f[kk].s1 = lds_u32(params);
-          f[kk].zs1 = lds_u32(params + param_box);
-        }
+      for (int h = 0; h < kBytes / 16; ++h) f[kk].w[h] = lds_v4(wtile + 16 * h);
+      if constexpr (K == Kind::kProgressive) {
+        // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
+        const uint32_t params = base + S::kXBytes + S::kWBytes + (rt * gps + (kk >> p.group_shift)) * 32 + 4 * g;
+        f[kk].s1 = lds_u32(params);
+        f[kk].zs1 = lds_u32(params + param_box);
       }
     }
+    // Every A operand of the stage is written before its first wgmma, and every wgmma of the
+    // stage has retired before the next stage writes any: a wgmma reads its A registers
+    // asynchronously until a wait retires it, and ptxas neither knows that nor keeps the
+    // registers from other uses, so nothing may be written while one is in flight. (With
+    // per-k-tile waits instead, ptxas moved the next k-tiles' writes above the waits and
+    // the results went wrong: notes-gemm.md, version 6.)
+    uint32_t a[S::kKT][2][4];
+#pragma unroll
+    for (int kk = 0; kk < S::kKT; ++kk) f[kk].to_a(a[kk]);
+    wgmma_fence();  // a[] was written by ordinary instructions
 #pragma unroll
     for (int kk = 0; kk < S::kKT; ++kk) {
-      if (kk < kts) {
-        uint32_t a[2][4];
-        f[kk].to_a(a);
-        wgmma_fence();  // a[] was written by ordinary instructions
-        const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
-        wgmma_m64n128k32_rs(acc[0], a[0], desc);
-        wgmma_m64n128k32_rs(acc[1], a[1], desc);
-        wgmma_commit();
-      }
+      const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
+      wgmma_m64n128k32_rs(acc[0], a[kk][0], desc);
+      wgmma_m64n128k32_rs(acc[1], a[kk][1], desc);
     }
-    wgmma_wait<4>();  // at most this stage's 4 groups still run: stage s-1 is finished
-    if (s >= 1 && lane == 0) mbar_arrive(empty + 8 * ((s - 1) % S::kStages));
+    wgmma_commit();
+    wgmma_wait<0>();
+    if (lane == 0) mbar_arrive(empty + 8 * (s % S::kStages));  // this stage's slot can be refilled
   }
-  wgmma_wait<0>();
   __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
   static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS>::kBytes, "the staging tile must fit in the pipeline's slots");
   wgmma_epilogue<K, WGS>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);

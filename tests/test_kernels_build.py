@@ -1,11 +1,12 @@
-"""CI: every kernel source compiles with nvcc, for every target, on a machine without a GPU."""
+"""CI: every kernel source compiles with nvcc, for every target, on a machine without a GPU; the
+wgmma kernels' SASS never overwrites a register an in-flight wgmma still reads."""
 
 import subprocess
 import sys
 
 import pytest
 
-from qoqtool.kernels import build
+from qoqtool.kernels import build, check_sass
 
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc is not installed: the kernel sources cannot be compile-checked")
@@ -20,3 +21,33 @@ def test_importing_the_ops_builds_and_loads_nothing():
     probe = ("import sys, qoqtool.runtime.cuda_ops as ops; "
              "assert ops._lib.cache_info().currsize == 0; assert 'qoqtool.kernels.build' not in sys.modules")
     subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+@pytest.mark.skipif(build.nvcc_path() is None or check_sass.nvdisasm_path() is None,
+                    reason="nvcc or nvdisasm is not installed: the wgmma kernels' SASS cannot be checked")
+def test_no_wgmma_a_register_is_overwritten_in_flight():
+    found = check_sass.check()
+    assert len(found) == 6  # three weight kinds x one or two warpgroups
+    assert {name: h for name, h in found.items() if h} == {}
+
+
+# A loop in nvdisasm's format: the A registers R8..R11 of the IGMMA are rewritten at the top of
+# the next iteration, before any wait retires it (the hazard); with the DEPBAR moved up, not.
+_LOOP = """.text._ZN3qoq4gemm12wgmma_kernelILNS0_4KindE0ELi1EEEvNS0_6ParamsENS0_7TmaMapsE:
+.L_x_1:
+        /*0100*/                   LDS.128 R8, [R2] ;
+        /*0110*/                   WARPGROUP.ARRIVE ;
+        /*0120*/                   IGMMA.64x128x32.S8.S8 R24, R8, gdesc[UR4], R24, gsb0 ;
+        /*0130*/                   IADD3 R2, R2, 0x10, RZ ;
+        /*0140*/              @!P0 BRA `(.L_x_1) ;
+        /*0150*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+"""
+
+
+def test_the_sass_check_finds_a_write_to_in_flight_a_registers():
+    (hazards,) = check_sass.hazards_in_sass(_LOOP).values()
+    assert hazards == ["00100  LDS.128 R8, [R2]"]
+    fixed = _LOOP.replace("        /*0130*/                   IADD3", "        /*0128*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n"
+                          "        /*0130*/                   IADD3")
+    (hazards,) = check_sass.hazards_in_sass(fixed).values()
+    assert hazards == []
