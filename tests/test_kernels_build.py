@@ -23,6 +23,14 @@ def test_importing_the_ops_builds_and_loads_nothing():
     subprocess.run([sys.executable, "-c", probe], check=True)
 
 
+@pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc is not installed: the benchmark CUDA sources cannot be compile-checked")
+@pytest.mark.parametrize("source", sorted((build.KERNEL_DIR.parent / "benchmarks").glob("*.cu")), ids=lambda p: p.name)
+def test_benchmark_cuda_sources_compile(source, tmp_path):
+    """Stand-alone CUDA programs under benchmarks/ (built by hand on the GPU machine) compile too."""
+    subprocess.run([build.nvcc_path(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", str(source),
+                    "-o", str(tmp_path / "out.o")], check=True, capture_output=True)
+
+
 @pytest.mark.skipif(build.nvcc_path() is None or check_sass.nvdisasm_path() is None,
                     reason="nvcc or nvdisasm is not installed: the wgmma kernels' SASS cannot be checked")
 def test_no_wgmma_a_register_is_overwritten_in_flight():
