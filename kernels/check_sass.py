@@ -15,7 +15,8 @@ The scan: in address order, an IGMMA with A = Rx adds Rx..Rx+3 to the in-flight 
 `WARPGROUP.DEPBAR.LE gsb0, 0x0` clears it, and any instruction writing one of them is a hazard;
 each loop containing an IGMMA (a backward branch) is also scanned twice in a row, so that writes
 at the top of the next iteration are seen. (Waits that retire only some groups are ignored, so
-the check is conservative for kernels that rely on them.)
+the check is conservative for kernels that rely on them. A write's width comes from the opcode:
+.128 four registers, .64 or WIDE two, else one - enough for these kernels' instructions.)
 """
 
 from __future__ import annotations
