@@ -78,6 +78,23 @@ def without_and_with_dependent_launch(calls) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def time_with_plan(plan, calls) -> float:
+    """time_calls(calls) with cuda_ops.PLAN_OVERRIDE = plan (the plan's own choice again after)."""
+    cuda_ops.PLAN_OVERRIDE = plan
+    try:
+        return time_calls(calls)
+    finally:
+        cuda_ops.PLAN_OVERRIDE = None
+
+
+def line_fit(points) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = intercept + slope * x through [(x, y), ...]."""
+    x = torch.tensor([a for a, _ in points], dtype=torch.float64)
+    y = torch.tensor([b for _, b in points], dtype=torch.float64)
+    slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+    return float(y.mean() - slope * x.mean()), float(slope)
+
+
 def rand_u8(shape, lo, hi, g):
     return torch.randint(lo, hi + 1, shape, dtype=torch.uint8, device="cuda", generator=g)
 
@@ -146,11 +163,7 @@ def explore(g) -> list[dict]:
             choices |= {cuda_ops.Plan(cuda_ops.WGMMA, 1, 1), cuda_ops.Plan(cuda_ops.WGMMA, 1, 2),
                         cuda_ops.Plan(cuda_ops.WGMMA, 2, 1), cuda_ops.Plan(cuda_ops.WGMMA, 2, 2)}
         for p in sorted(choices, key=lambda p: (p.kernel, p.tile, p.splits)):
-            cuda_ops.PLAN_OVERRIDE = p
-            try:
-                us = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
-            finally:
-                cuda_ops.PLAN_OVERRIDE = None
+            us = time_with_plan(p, [lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
             name = f"{'wgmma' if p.kernel else 'stream'} tile={p.tile} splits={p.splits}"
             out.append({"M": m, "N": n, "K": k, "plan": name, "auto": p == auto, "us": us})
             print(f"  explore M={m:5d} {n}x{k} {name:28s} {us:9.1f} us{'  <- plan' if p == auto else ''}", flush=True)
@@ -178,11 +191,7 @@ def explore_stream(g, group: int = GROUP) -> list[dict]:
             for kind in op:
                 weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
                 for p in dict.fromkeys(plans):
-                    cuda_ops.PLAN_OVERRIDE = p
-                    try:
-                        us = time_calls([lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
-                    finally:
-                        cuda_ops.PLAN_OVERRIDE = None
+                    us = time_with_plan(p, [lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
                     rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": p.tile, "splits": p.splits,
                                  "plan": p.name(), "auto": p == auto, "us": us, "bf16_us": bf16})
                     print(f"  {kind:11s} M={m:2d} {n}x{k} {p.name():26s} {us:7.2f} us  bf16 {bf16:7.2f}  "
@@ -208,10 +217,7 @@ def fixed_and_rate(g, n: int = 8192, ks=(2048, 4096, 8192, 16384, 32768)) -> lis
         torch.cuda.empty_cache()
     lines = [f"M = 1, N = {n}, K in {list(ks)}: time = fixed + bytes / rate (least squares)"]
     for name, p in pts.items():
-        b = torch.tensor([x for x, _ in p], dtype=torch.float64)
-        t = torch.tensor([y for _, y in p], dtype=torch.float64)
-        slope = ((b - b.mean()) * (t - t.mean())).sum() / ((b - b.mean()) ** 2).sum()
-        fixed = t.mean() - slope * b.mean()
+        fixed, slope = line_fit(p)
         lines.append(f"  {name:9s} fixed {fixed:6.2f} us, rate {1e-6 / slope:5.2f} TB/s; "
                      + ", ".join(f"{x / 1e6:.1f} MB {y:.2f} us" for x, y in p))
     return lines
@@ -295,11 +301,7 @@ def explore_wgmma(g) -> tuple[list[dict], list[str]]:
             auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
             plans = [auto] + [cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 2, 4, 8)]
             for p in dict.fromkeys(plans):
-                cuda_ops.PLAN_OVERRIDE = p
-                try:
-                    us = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
-                finally:
-                    cuda_ops.PLAN_OVERRIDE = None
+                us = time_with_plan(p, [lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
                 rows.append({"M": m, "N": n, "K": k, "plan": p.name(), "tile": p.tile, "splits": p.splits,
                              "auto": p == auto, "us": us, "bf16_us": bf16, "int_mm_us": int_mm})
                 print(f"  M={m:4d} {n:>5}x{k:<5} {p.name():26s} {us:8.2f} us  bf16 {bf16:7.2f} ({bf16 / us:4.2f}x)  "
@@ -321,17 +323,12 @@ def explore_wgmma(g) -> tuple[list[dict], list[str]]:
     for k in (512, 1024, 2048, 4096, 8192):
         weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
         xk = x_q[:, :k].contiguous()
-        cuda_ops.PLAN_OVERRIDE = cuda_ops.Plan(cuda_ops.WGMMA, 1, 1)
-        try:
-            pts.append((k // 128, time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(xk, x_scale, *w, n)
-                                             for w in weights])))
-        finally:
-            cuda_ops.PLAN_OVERRIDE = None
+        pts.append((k // 128, time_with_plan(cuda_ops.Plan(cuda_ops.WGMMA, 1, 1),
+                                             [lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(xk, x_scale, *w, n)
+                                              for w in weights])))
         del weights
-    st = torch.tensor([x for x, _ in pts], dtype=torch.float64)
-    t = torch.tensor([y for _, y in pts], dtype=torch.float64)
-    slope = ((st - st.mean()) * (t - t.mean())).sum() / ((st - st.mean()) ** 2).sum()
-    lines += ["", f"wgmma, 1 warpgroup, unsplit, M = {m}, N = {n}: time = {t.mean() - slope * st.mean():.2f} us + "
+    fixed, slope = line_fit(pts)
+    lines += ["", f"wgmma, 1 warpgroup, unsplit, M = {m}, N = {n}: time = {fixed:.2f} us + "
               f"stages x {slope:.3f} us; " + ", ".join(f"{x} stages {y:.2f} us" for x, y in pts)]
     return rows, lines
 
