@@ -30,17 +30,26 @@
 
 namespace qoq {
 
+// The compute capability major of the current device, queried once per device (launchers ask
+// on every launch; the attribute query is a driver call).
+inline cudaError_t current_device_major(int* major) {
+  static int known[64] = {};  // 0: not asked yet
+  int device = 0;
+  QOQ_RETURN_IF_ERROR(cudaGetDevice(&device));
+  if (device >= 64) return cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device);
+  if (known[device] == 0) QOQ_RETURN_IF_ERROR(cudaDeviceGetAttribute(&known[device], cudaDevAttrComputeCapabilityMajor, device));
+  *major = known[device];
+  return cudaSuccess;
+}
+
 // Launches kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch
 // when `pdl` is set and the device is a Hopper (the kernel must call pdl_wait before it reads
 // what earlier kernels write, and before it writes anything).
 template <class... KArgs, class... Args>
 cudaError_t launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
                              Args&&... args) {
-  int device = 0, major = 0;
-  if (pdl) {
-    QOQ_RETURN_IF_ERROR(cudaGetDevice(&device));
-    QOQ_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  }
+  int major = 0;
+  if (pdl) QOQ_RETURN_IF_ERROR(current_device_major(&major));
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = pdl && major >= 9;

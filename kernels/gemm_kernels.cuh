@@ -1033,9 +1033,8 @@ cudaError_t encode_map(CUtensorMap* map, CUtensorMapDataType type, const void* b
 template <Kind K, int WGS>
 cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
   using S = WgmmaShape<K, WGS>;
-  int device = 0, major = 0;
-  QOQ_RETURN_IF_ERROR(cudaGetDevice(&device));
-  QOQ_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  int major = 0;
+  QOQ_RETURN_IF_ERROR(current_device_major(&major));
   if (major != 9) return cudaErrorInvalidDeviceFunction;  // wgmma exists only in the sm_90a image
   Params p = p_in;
   if (p.splits > ceil_div(p.KT, S::kKT)) return cudaErrorInvalidValue;  // splits are whole stages
