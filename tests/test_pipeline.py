@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qoqtool.calibration.pipeline import quantize_model
+from qoqtool.calibration.pipeline import _qualified, quantize_model
 from qoqtool.packing import quantized
 from qoqtool.packing.folder import read_manifest
 from qoqtool.recipe import known_recipes, load_recipe
@@ -106,3 +106,29 @@ def test_calibration_uses_quantized_previous_layers():
     fp_stats, _ = collect_input_stats(adapter.parts(1), inputs, "cpu")
     quant_stats = ra.input_stats["model.layers.1.self_attn.q_proj"]
     assert not torch.allclose(fp_stats["q_proj"].absmax, quant_stats.absmax)
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_true_sequential_calibrates_each_linear_on_its_quantized_inputs(sequential):
+    """gptq.true_sequential: every linear's statistics are those of its input in the finished
+    quantized layer (q/k/v quantized before o_proj's are gathered, with the KV4 cache, and so
+    on); without it, o_proj, gate/up and down_proj are calibrated on the float layer's."""
+    from qoqtool.calibration.runner import capture_first_layer_inputs, forward_hooks, run_layer
+    from qoqtool.models.adapter import ModelAdapter
+
+    tokens = _tokens(5)
+    recipe = _small(load_recipe("qoq-w4a8kv4-g128"))
+    recipe.step("gptq").params["true_sequential"] = sequential
+    model = tiny_model("llama", seed=6)
+    result = quantize_model(model, recipe, tokens)
+    inputs = capture_first_layer_inputs(ModelAdapter(model), tokens, "cpu")  # the (rotated) embeddings
+    parts = ModelAdapter(model).parts(0)
+    seen = {}
+    watched = {name: getattr(parts, name) for name in ("o_proj", "gate_proj", "down_proj")}
+    with forward_hooks(watched, lambda name, x: seen.setdefault(name, []).append(x.reshape(-1, x.shape[-1]))):
+        run_layer(parts.layer, inputs, "cpu")
+    for name, xs in seen.items():
+        x = torch.cat(xs).double()
+        recorded = result.input_stats[_qualified(0, name)].sum_sq
+        assert torch.allclose(recorded, (x * x).sum(0), rtol=1e-6) == sequential, name
+

@@ -5,6 +5,8 @@
         layer steps (in order)     e.g. smooth_attention, smooth_output, reorder
         input statistics           mean square / max per channel (+ Hessian for GPTQ)
         each linear -> QuantLinear RTN, clipped RTN or GPTQ, in the recipe's format
+                                   (gptq.true_sequential: statistics and rounding group by
+                                   group, q/k/v -> o -> gate/up -> down)
         quantized layer forward    -> inputs of the next layer
 
 The result is a model whose linears are `QuantLinear` (exact reference path) and whose
@@ -21,7 +23,7 @@ import torch
 
 from qoqtool.calibration.capture import LayerCapture, capture_layer
 from qoqtool.calibration.runner import capture_first_layer_inputs, run_layer
-from qoqtool.calibration.stats import InputStats, collect_input_stats
+from qoqtool.calibration.stats import SHARED_INPUTS, InputStats, collect_input_stats
 from qoqtool.calibration.steps import STEPS, step_params
 from qoqtool.models.adapter import LINEAR_NAMES, ModelAdapter
 from qoqtool.quantizers.formats import QuantizedWeight
@@ -36,6 +38,10 @@ ProgressFn = Callable[[str, int, int], None]  # (what, done, total)
 # a subsample of CAPTURED_TOKENS of them for grid searches, and the post-RoPE keys.
 CAPTURED_INPUTS = ("o_proj", "down_proj")
 CAPTURED_TOKENS = 2048
+# gptq.true_sequential: the linears of a layer in the order their inputs are computed (the
+# stats.SHARED_INPUTS accumulator each group reads).
+SEQUENTIAL_GROUPS = (("q_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)),
+                     ("gate_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
 
 
 @dataclass
@@ -170,22 +176,27 @@ def quantize_model(
                 progress("layers", i + 1, adapter.num_layers)
             continue
         need_hessian = "gptq" in solver or "clip" in solver
-        stats, _ = collect_input_stats(parts, inputs, device, with_hessian=need_hessian, batch_size=batch_size)
-        for name in LINEAR_NAMES:
-            linear = getattr(parts, name)
-            qualified = _qualified(i, name)
-            keeper = OutlierKeeper(targets[qualified]) if targets else None
-            qweight = solve_linear(linear.weight.data, stats[name], recipe, solver, keeper)
-            sparse = keeper.sparse if keeper else None
-            kept, weights = kept + (sparse.nnz if sparse else 0), weights + linear.weight.numel()
-            if keep_float_weights:
-                float_weights[qualified] = linear.weight.data.half().cpu()
-            report[qualified] = weight_error(linear.weight.data, qweight, stats[name], sparse)
-            parent = parts.attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else parts.mlp
-            setattr(parent, name, QuantLinear(qweight, linear.bias, recipe.act_bits, outliers=sparse).to(device))
-            all_stats[qualified] = stats[name]
-        for st in stats.values():
-            st.xtx = None  # Hessians are large (K x K); keep only the per-channel figures
+        sequential = "gptq" in solver and solver["gptq"].true_sequential
+        for source, names in SEQUENTIAL_GROUPS if sequential else ((None, LINEAR_NAMES),):
+            if source == "o_proj":
+                parts.attn.qoq_kv_bits = recipe.kv_bits  # o_proj's inputs: attention over the quantized cache
+            sources = (source,) if source else tuple(SHARED_INPUTS)
+            stats, _ = collect_input_stats(parts, inputs, device, need_hessian, batch_size, sources)
+            for name in names:
+                linear = getattr(parts, name)
+                qualified = _qualified(i, name)
+                keeper = OutlierKeeper(targets[qualified]) if targets else None
+                qweight = solve_linear(linear.weight.data, stats[name], recipe, solver, keeper)
+                sparse = keeper.sparse if keeper else None
+                kept, weights = kept + (sparse.nnz if sparse else 0), weights + linear.weight.numel()
+                if keep_float_weights:
+                    float_weights[qualified] = linear.weight.data.half().cpu()
+                report[qualified] = weight_error(linear.weight.data, qweight, stats[name], sparse)
+                parent = parts.attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else parts.mlp
+                setattr(parent, name, QuantLinear(qweight, linear.bias, recipe.act_bits, outliers=sparse).to(device))
+                all_stats[qualified] = stats[name]
+            for st in stats.values():
+                st.xtx = None  # Hessians are large (K x K); keep only the per-channel figures
         parts.attn.qoq_kv_bits = recipe.kv_bits
         inputs.hidden = run_layer(parts.layer, inputs, device, batch_size)
         parts.layer.to("cpu")

@@ -59,13 +59,15 @@ class InputStats:
 
 @torch.no_grad()
 def collect_input_stats(
-    parts: LayerParts, inputs: LayerInputs, device, with_hessian: bool = False, batch_size: int = 8
+    parts: LayerParts, inputs: LayerInputs, device, with_hessian: bool = False, batch_size: int = 8,
+    sources: tuple[str, ...] = tuple(SHARED_INPUTS),
 ) -> tuple[dict[str, InputStats], torch.Tensor]:
-    """Run the layer over `inputs`; return stats keyed by linear name, and the layer output."""
-    watched: dict[str, nn.Module] = {name: getattr(parts, name) for name in SHARED_INPUTS}
+    """Run the layer over `inputs`; return stats keyed by linear name, and the layer output.
+    sources: which of SHARED_INPUTS to watch (their readers are the keys returned)."""
+    watched: dict[str, nn.Module] = {name: getattr(parts, name) for name in sources}
     acc = {
         name: InputStats.empty(module.in_features, device, with_hessian) for name, module in watched.items()
     }
     with forward_hooks(watched, lambda name, x: acc[name].add(x)):
         out = run_layer(parts.layer, inputs, device, batch_size)
-    return {reader: acc[src] for src, readers in SHARED_INPUTS.items() for reader in readers}, out
+    return {reader: acc[src] for src in sources for reader in SHARED_INPUTS[src]}, out

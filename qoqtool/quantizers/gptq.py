@@ -31,6 +31,11 @@ class GPTQParams:
     damp: float = 0.01  # dampening, as a fraction of the mean Hessian diagonal
     block_size: int = 128  # columns per lazy-update block
     act_order: bool = False  # visit columns by decreasing Hessian diagonal
+    # Within a layer, gather each linear's statistics only after the linears before it are
+    # quantized (q/k/v; o_proj, with the quantized KV cache; gate/up; down_proj), so that
+    # every Hessian comes from the activations the linear will really see (AutoGPTQ's
+    # true_sequential). Off: one pass of the float layer serves all seven.
+    true_sequential: bool = False
 
 
 register_step("gptq", "solver", GPTQParams)
