@@ -86,7 +86,8 @@ through_kernels() {  # a packed folder on CUDA (kernels) against its quantized f
   done
 }
 
-# JOBS="outliers-kernels defaults recipe:qoq-w4a8kv4-chn recipe:qoq-w4a8kv4-g64@128x1024" runs only those
+# JOBS="outliers-kernels defaults recipe:qoq-w4a8kv4-chn recipe:qoq-w4a8kv4-g64@128x1024 seeds:qoq-w4a8kv4-g64@128x1024:0,1,2"
+# runs only those
 # (at most two or three per call, see above).
 if [ -n "${JOBS:-}" ]; then
   for job in $JOBS; do
@@ -120,6 +121,17 @@ if [ -n "${JOBS:-}" ]; then
           -o "/tmp/q/$name" -q --overwrite 2>&1 | grep -E "Elapsed|Maximum resident|rror"
         through_kernels "/tmp/q/$name"
       ) > "$L/$(basename "${job#recipe:}" | tr '@' '-').log" 2>&1 & ;;
+      seeds:*) (  # seeds:NAME@SAMPLESxSEQLEN:S1,S2,...: that calibration with several sampling seeds, one
+                  # after another (GPTQ's spread), each scored on the reference path. NAME may be a recipe file.
+        spec=${job#seeds:}; list=${spec##*:}; spec=${spec%:*}; r=${spec%@*}; c=${spec#*@}
+        for s in ${list//,/ }; do
+          name=$(basename "${r%.yaml}")-$c-s$s
+          qoqtool quantize smollm2-135m -r "$r" --calib wikitext2 --calib-samples "${c%x*}" --calib-seqlen "${c#*x}" \
+            --seed "$s" --data-dir "$D" --device cuda -o "/tmp/q/$name" -q --overwrite 2>&1 | grep -E "rror" 
+          timeout 150 qoqtool eval "/tmp/q/$name" --tasks wikitext2 --data-dir "$D" --device cuda -q \
+            --json "$OUT/eval-$name.json" 2>&1 | tail -3
+        done
+      ) > "$L/seeds-$(basename "${job#seeds:}" | tr '@:,' '---').log" 2>&1 & ;;
       *) echo "unknown job $job"; exit 2 ;;
     esac
   done

@@ -1,6 +1,6 @@
 """Fused sparse-dense W4A8 GEMM benchmark (issue 8, item 4, W4A8 part), one GPU.
 
-    python benchmarks/sparse_dense.py [--quick] [--kind per_group|per_channel] [--json PATH]
+    python benchmarks/sparse_dense.py [--quick | --targets] [--kind per_group|per_channel] [--json PATH]
 
 For M in {1, 8, 16, 32, 64} x outlier densities {0, 0.5, 1, 2, 5} % x the six (N, K) shapes
 of Llama-3-8B and Qwen2.5-14B, with two outlier patterns (uniform; column-clustered: the
@@ -278,6 +278,7 @@ def density_curve(rows) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 shapes, M in {1, 16}, 0 and 1%% uniform; sections validated")
+    ap.add_argument("--targets", action="store_true", help="the issue's target points only: 6 shapes, M in {8, 16}, 0 and 1%%")
     ap.add_argument("--kind", choices=["per_group", "per_channel", "w4a16"], default="per_group",
                     help="W4A8 progressive g128 or per-channel, or W4A16 with fp16 group-128 scales")
     ap.add_argument("--json", default=None, help="write all numbers here")
@@ -292,6 +293,8 @@ def main() -> None:
           f"unfused SpMM in {SPMM_DTYPE}", flush=True)
     if args.quick:
         shapes, ms, densities, patterns, rep_ms = SHAPES[:2], [1, 16], [0.0, 0.01], ["uniform"], 40
+    elif args.targets:
+        shapes, ms, densities, patterns, rep_ms = SHAPES, [8, 16], [0.0, 0.01], PATTERNS, 25
     else:
         shapes, ms, densities, patterns, rep_ms = SHAPES, MS, DENSITIES, PATTERNS, 25
     rows = []
