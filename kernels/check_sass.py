@@ -1,5 +1,5 @@
-"""Static check of the compiled wgmma kernels: no register that an in-flight wgmma reads as its
-A operand is written before a wait retires that wgmma.
+"""Static check of the compiled wgmma kernels: no register that an in-flight wgmma reads (its A
+operand, when A comes from registers) or accumulates into is written before a wait retires it.
 
 Why: wgmma.mma_async reads its A registers asynchronously, until wgmma.wait_group retires it,
 and overwriting them earlier is undefined behaviour (PTX ISA). ptxas does not enforce this: it
@@ -11,7 +11,8 @@ the H200, and the version before it passed every test with such writes in its SA
     python -m qoqtool.kernels.check_sass      compile, disassemble, report; exit 1 on a hazard
 
 Needs nvcc and nvdisasm (on PATH, next to nvcc, or from the `nvidia-cuda-nvdisasm` wheel).
-The scan: in address order, an IGMMA with A = Rx adds Rx..Rx+3 to the in-flight set, a
+The scan: in address order, an IGMMA with A = Rx adds Rx..Rx+3 to the in-flight set (and its
+accumulators, N / 2 registers from D for 64 x N), a
 `WARPGROUP.DEPBAR.LE gsb0, 0x0` clears it, and any instruction writing one of them is a hazard;
 each loop containing an IGMMA (a backward branch) is also scanned twice in a row, so that writes
 at the top of the next iteration are seen. (Waits that retire only some groups are ignored, so
@@ -73,6 +74,10 @@ def _scan(instrs: list[tuple[int, str]], hazards: set[str]) -> None:
             a = re.search(r"IGMMA\S*\s+R\d+,\s*R(\d+),", ins)  # RS form: D, A registers, B descriptor
             if a:
                 in_flight |= set(range(int(a.group(1)), int(a.group(1)) + 4))
+            # The accumulators too (both forms): 64 x N s32 over 128 threads is N / 2 registers.
+            d = re.search(r"IGMMA\.64x(\d+)x\S*\s+R(\d+),", ins)
+            if d:
+                in_flight |= set(range(int(d.group(2)), int(d.group(2)) + int(d.group(1)) // 2))
             continue
         if "WARPGROUP.DEPBAR.LE" in ins and ins.endswith("0x0"):
             in_flight.clear()
@@ -124,7 +129,7 @@ def check() -> dict[str, list[str]]:
 def main() -> int:
     found = check()
     for name, hazards in found.items():
-        print(f"{name}: {len(hazards)} writes to registers an in-flight wgmma reads")
+        print(f"{name}: {len(hazards)} writes to registers an in-flight wgmma uses")
         for h in hazards[:8]:
             print("    " + h)
     return 1 if any(found.values()) or not found else 0

@@ -59,3 +59,7 @@ def test_the_sass_check_finds_a_write_to_in_flight_a_registers():
                           "        /*0130*/                   IADD3")
     (hazards,) = check_sass.hazards_in_sass(fixed).values()
     assert hazards == []
+    # an accumulator (R24..R87 for 64 x 128) written while the wgmma runs
+    touched = _LOOP.replace("IADD3 R2, R2, 0x10, RZ", "IADD3 R30, R2, 0x10, RZ")
+    (hazards,) = check_sass.hazards_in_sass(touched).values()
+    assert hazards == ["00100  LDS.128 R8, [R2]", "00130  IADD3 R30, R2, 0x10, RZ"]
