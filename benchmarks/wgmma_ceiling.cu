@@ -2,7 +2,7 @@
 // wgmma.m64nNk32.s32.s8.s8 with A from registers (the form the W4A8 kernel uses) takes when a
 // warpgroup does nothing else, for N = 64 / 128 tokens, 1 or 2 independent accumulators per
 // warpgroup and 1 or 2 warpgroups per multiprocessor. What the main loop of the wgmma kernel
-// (kernels/gemm_kernels.cuh) can reach at best with this instruction; no memory traffic.
+// (kernels/gemm_wgmma.cuh) can reach at best with this instruction; no memory traffic.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/wgmma_ceiling.cu -o wgmma_ceiling
 //   ./wgmma_ceiling          (one CTA per multiprocessor, 132 CTAs; clock64 inside the kernel)

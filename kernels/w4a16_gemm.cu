@@ -5,14 +5,14 @@
 //   qoq_w4a16_sparse_dense_gemm  the same plus the linear's fp16 Tile-COO outliers,
 //                                sum_k S[n, k] * x[m, k], in the same accumulators (issue 8)
 //
-// The weight stream of the W4A8 stream kernel (gemm_kernels.cuh: CTA = 2 row tiles x 4 warps
+// The weight stream of the W4A8 stream kernel (gemm_stream.cuh: CTA = 2 row tiles x 4 warps
 // splitting K, chunks of U k-tiles loaded global -> registers, k-slice reduction, split-K),
 // with three differences:
 //  * The packed W4 fragment (qoqtool/packing/layout.py) gives lane (g, t) the codes of rows
 //    g + 8i at k = 4t + j (low nibbles) and 16 + 4t + j (high nibbles). mma.m16n8k16 wants
 //    rows g, g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3). Calling physical
 //    k 16h + 4t + j the step-h k "2t + j" (j < 2) and "8 + 2t + j - 2" (j >= 2) - the order the
-//    fused outlier path already uses (gemm_kernels.cuh, logical_k) - makes bytes 0, 1 of a word
+//    fused outlier path already uses (gemm_stream.cuh, logical_k) - makes bytes 0, 1 of a word
 //    the lane's a0/a1 pair and bytes 2, 3 its a2/a3 pair, and the activations the lane needs for
 //    step h are x[16h + 4t .. 16h + 4t + 3]: ONE 8-byte load gives both B registers.
 //  * Dequantization, per pair of codes: a byte permute spreads two bytes into the halves of

@@ -2,7 +2,7 @@
 //
 //   qoq_w4a8_gemm_per_group    QoQ progressive weights: in the main loop each 32-bit word
 //                              of four codes becomes four exact INT8 weights (q - z)*s1
-//                              with one multiply-add and one xor (gemm_kernels.cuh,
+//                              with one multiply-add and one xor (gemm_common.cuh,
 //                              progressive_quad); epilogue out = acc * sx[m] * s0[n].
 //   qoq_w4a8_gemm_per_channel  raw codes multiply the activations; the zero point moves to
 //                              the epilogue: out = (acc - z[n] * rowsum(x[m])) * s[n] * sx[m].
@@ -16,9 +16,10 @@
 //                              stream kernel (no wgmma path yet), `sparse_workspace` holds
 //                              [splits, M, NT*32] fp32 partials when splits > 1.
 //
-// The kernels, tile shapes and split-K live in gemm_kernels.cuh; the choice among them by
-// M is qoqtool.runtime.cuda_ops.plan. `out_i32` writes the raw INT32 accumulations instead
-// of fp16 (after the zero-point term for per-channel): the tests compare them bit for bit.
+// The kernels, tile shapes and split-K live in gemm_kernels.cuh (and the files it includes);
+// the choice among them by M is qoqtool.runtime.cuda_ops.plan. `out_i32` writes the raw INT32
+// accumulations instead of fp16 (after the zero-point term for per-channel): the tests compare
+// them bit for bit.
 #include "gemm_kernels.cuh"
 
 using qoq::gemm::Kind;

@@ -295,7 +295,7 @@ def check_w8a8(x_q, x_scale, qweight, scale, out_features: int) -> None:
     _expect_device(x_q=x_q, x_scale=x_scale, qweight=qweight, scale=scale)
 
 
-# Tile-COO buckets as the kernel hard-codes them (kBucketN, kBucketK in gemm_kernels.cuh);
+# Tile-COO buckets as the kernel hard-codes them (kBucketN, kBucketK in kernels/gemm_common.cuh);
 # tests/test_sparse_dense_gpu.py checks they equal qoqtool.packing.tile_coo's BUCKET_N, BUCKET_K.
 TILE_COO_BUCKET = (32, 64)
 TILE_COO_ENTRY_BYTES = 16

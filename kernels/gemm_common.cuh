@@ -1,0 +1,229 @@
+// What the GEMM main loops share (gemm_stream.cuh, gemm_wgmma.cuh; the overview is in
+// gemm_kernels.cuh): the weight kinds, a launch's parameters, packed fragments -> mma A
+// registers, the dense epilogue and split-K across CTAs.
+#pragma once
+
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace qoq::gemm {
+
+enum class Kind : int {
+  kProgressive = 0,   // QoQ W4 per group: w8 = (q - z) * s1, level-0 scale per row
+  kUInt4Channel = 1,  // W4 per channel: raw codes q in the main loop, zero in the epilogue
+  kInt8Channel = 2,   // W8 per channel
+};
+
+struct Params {
+  const int8_t* x;          // [M, Kp] activation codes, row-major, zero past K
+  const __half* x_scale;    // [M] per-token scales
+  const int32_t* x_rowsum;  // [M] sum of each row's codes (kUInt4Channel)
+  const uint8_t* qweight;   // packed codes, [NT, KT, 32, 16] (W4) or [NT, KT, 32, 32] (W8)
+  const __half* scale;      // [NT*32] level-0 scale (kProgressive) or per-channel scale
+  const uint8_t* scale1;    // [NT, groups, 32] (kProgressive), layout.pack_group_params order
+  const uint8_t* zxs1;      // [NT, groups, 32] z * s1 (kProgressive)
+  const uint8_t* zero;      // [NT*32] zero points (kUInt4Channel)
+  void* out;                // [M, N] fp16, or the raw INT32 accumulators when out_i32
+  int32_t* workspace;       // [splits, M, NT*32] partial sums (splits > 1)
+  int32_t* counters;        // one per (x, y) CTA tile, zero on entry and on exit
+  int M, N, Kp, NT, KT;     // NT = Np / 32 row tiles, KT = Kp / 32 k-tiles
+  int groups, group_shift;  // progressive: Kp / G groups, G = 32 << group_shift
+  int groups_per_stage;     // progressive, wgmma: groups in one 128-wide pipeline stage
+  int splits, out_i32;
+  // Tile-COO outliers (stream_kernel<..., OUTLIERS = true> only; docs/tile-coo.md). The
+  // section must have passed qoqtool.packing.tile_coo.validate (the packed loader runs it).
+  const uint4* tc_entries;  // [Q] 16-byte entries
+  const int32_t* tc_start;  // [NT, NBk] first entry of bucket (row tile, 64-column block)
+  const int32_t* tc_count;  // [NT, NBk] entries of that bucket
+  float* sparse_workspace;  // [splits, M, NT*32] fp32 outlier partial sums (splits > 1)
+  int NBk;                  // ceil(Kp / 64) buckets along K
+};
+
+// What every entry point sets alike: the activations, the shape, split-K and its buffers.
+inline Params base_params(const int8_t* x, const __half* x_scale, const uint8_t* qweight, const __half* scale,
+                          int M, int N, int Kp, int splits, int32_t* workspace, int32_t* counters) {
+  Params p{};
+  p.x = x;
+  p.x_scale = x_scale;
+  p.qweight = qweight;
+  p.scale = scale;
+  p.M = M;
+  p.N = N;
+  p.Kp = Kp;
+  p.NT = ceil_div(N, 32);
+  p.KT = Kp / 32;
+  p.splits = splits;
+  p.workspace = workspace;
+  p.counters = counters;
+  return p;
+}
+
+// Tile-COO buckets: one row tile x two k-tiles (qoqtool.packing.tile_coo.BUCKET_N, BUCKET_K;
+// cuda_ops checks the two agree).
+constexpr int kBucketN = 32, kBucketK = 64;
+
+template <Kind K>
+constexpr int kLaneBytes = K == Kind::kInt8Channel ? 32 : 16;  // one lane's share of a tile
+
+// ---------------------------------------------------------------------------------------
+// Packed fragment -> mma A registers. a[b][r] is register r of m16 block b of the tile.
+// ---------------------------------------------------------------------------------------
+
+// Progressive (QoQ) dequantization of four k of one row, all in one 32-bit word: q4 holds
+// four codes q (one per byte), s1 the row's level-1 scale, c = 128 - z*s1 in every byte.
+// q*s1 <= 15*16 < 256, so ONE 32-bit multiply scales all four bytes without carries; the
+// true byte value (q - z)*s1 + 128 lies in [0, 255] (the quantizer keeps (q - z)*s1 in
+// [-128, 127] and z*s1 <= 128), so the multiply-add cannot carry either. Flipping each
+// byte's top bit then subtracts the 128: the bytes are the exact INT8 weights (q - z)*s1.
+// Two instructions for four weights (IMAD + LOP3), after the mask that extracts q4.
+__device__ __forceinline__ uint32_t progressive_quad(uint32_t q4, uint32_t s1, uint32_t c) {
+  return (q4 * s1 + c) ^ 0x80808080u;
+}
+
+// Word i of a W4 fragment holds row 8i + g: its low nibbles are k = 4t + j (registers a0 of
+// block i/2 for even i, a1 for odd i), its high nibbles k = 16 + 4t + j (a2 / a3).
+__device__ __forceinline__ void w4_progressive_to_a(const uint4& w, uint32_t s1_word, uint32_t zs1_word,
+                                                    uint32_t (&a)[2][4]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // Byte i of the parameter words belongs to row 8i + g (layout.pack_group_params).
+    const uint32_t s1 = __byte_perm(s1_word, 0, 0x4440 | i);           // byte i, zero-extended
+    const uint32_t c = 0x80808080u - __byte_perm(zs1_word, 0, 0x1111 * i);  // 128 - z*s1, x4
+    a[i >> 1][i & 1] = progressive_quad(words[i] & 0x0F0F0F0Fu, s1, c);
+    a[i >> 1][2 + (i & 1)] = progressive_quad((words[i] >> 4) & 0x0F0F0F0Fu, s1, c);
+  }
+}
+
+// Per-channel W4: the raw codes 0..15 are already valid s8 operands; the zero point is
+// applied once per output in the epilogue (acc - z * rowsum(x)).
+__device__ __forceinline__ void w4_codes_to_a(const uint4& w, uint32_t (&a)[2][4]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    a[i >> 1][i & 1] = words[i] & 0x0F0F0F0Fu;
+    a[i >> 1][2 + (i & 1)] = (words[i] >> 4) & 0x0F0F0F0Fu;
+  }
+}
+
+// W8: word 2i + h holds row 8i + g at k = 16h + 4t + j, so block b is words 4b, 4b+2, 4b+1, 4b+3.
+__device__ __forceinline__ void w8_to_a(const uint4& lo, const uint4& hi, uint32_t (&a)[2][4]) {
+  a[0][0] = lo.x; a[0][1] = lo.z; a[0][2] = lo.y; a[0][3] = lo.w;
+  a[1][0] = hi.x; a[1][1] = hi.z; a[1][2] = hi.y; a[1][3] = hi.w;
+}
+
+// One lane's raw fragment of one tile, plus its group parameters (progressive).
+template <Kind K>
+struct Fragment {
+  uint4 w[kLaneBytes<K> / 16];
+  uint32_t s1, zs1;
+
+  __device__ __forceinline__ void to_a(uint32_t (&a)[2][4]) const {
+    if constexpr (K == Kind::kProgressive) w4_progressive_to_a(w[0], s1, zs1, a);
+    if constexpr (K == Kind::kUInt4Channel) w4_codes_to_a(w[0], a);
+    if constexpr (K == Kind::kInt8Channel) w8_to_a(w[0], w[kLaneBytes<K> / 16 - 1], a);
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Epilogue and split-K
+// ---------------------------------------------------------------------------------------
+
+// Items [split_begin(n, z), split_begin(n, z + 1)) of n belong to split z (k-tiles in the
+// stream kernel, 4-k-tile pipeline stages in the wgmma kernel).
+__device__ __forceinline__ int split_begin(int n, int z, int splits) {
+  return static_cast<int>(static_cast<int64_t>(n) * z / splits);
+}
+
+// The dense value of out[m, n] from its INT32 accumulator (after the per-channel zero-point
+// term), in the reference path's order of float operations (quantizers.formats.*.linear_int8).
+template <Kind K>
+__device__ __forceinline__ float dense_value(int acc, float sx, float sw) {
+  // UInt4Weight.linear_int8 scales by the weight first, the others by the token first.
+  return K == Kind::kUInt4Channel ? (static_cast<float>(acc) * sw) * sx : (static_cast<float>(acc) * sx) * sw;
+}
+
+template <Kind K>
+__device__ __forceinline__ float dense_result(const Params& p, int m, int n, int acc) {
+  return dense_value<K>(acc, __half2float(p.x_scale[m]), __half2float(p.scale[n]));
+}
+
+template <Kind K>
+__device__ __forceinline__ void store_result(const Params& p, int m, int n, int acc) {
+  if (m >= p.M || n >= p.N) return;
+  if constexpr (K == Kind::kUInt4Channel) acc -= static_cast<int>(p.zero[n]) * p.x_rowsum[m];
+  const size_t at = static_cast<size_t>(m) * p.N + n;
+  if (p.out_i32) {
+    static_cast<int32_t*>(p.out)[at] = acc;
+    return;
+  }
+  static_cast<__half*>(p.out)[at] = __float2half_rn(dense_result<K>(p, m, n, acc));
+}
+
+// The same with the outliers' fp32 sum `sparse` = sum_k S[n, k] * xq[m, k] (docs/tile-coo.md,
+// section 1): the reference path (QuantLinear.forward) computes
+//     y = linear_int8(xq, sx) + (S xq^T)^T * sx
+//       = (acc * sx) * s0 + sparse * sx                       progressive
+//       = ((acc - z * rowsum(xq)) * s) * sx + sparse * sx     uint4 per channel
+// i.e. y = sx * (sw * acc + sparse): the token scale once per term, in fp32, one fp16
+// rounding at the end. (No INT32 output: the sparse sum is not an integer.)
+template <Kind K>
+__device__ __forceinline__ void store_result_with_outliers(const Params& p, int m, int n, int acc, float sparse) {
+  if (m >= p.M || n >= p.N) return;
+  if constexpr (K == Kind::kUInt4Channel) acc -= static_cast<int>(p.zero[n]) * p.x_rowsum[m];
+  const float y = dense_result<K>(p, m, n, acc) + sparse * __half2float(p.x_scale[m]);
+  static_cast<__half*>(p.out)[static_cast<size_t>(m) * p.N + n] = __float2half_rn(y);
+}
+
+// After this CTA has written its split's partials: counts it in, and returns true in the last
+// split of the tile to arrive (which resets the counter for the next launch), once every
+// other split's partials are visible to it. Every thread of the CTA must call this.
+__device__ __forceinline__ bool arrive_last_split(const Params& p) {
+  __shared__ int last_split;
+  __threadfence();  // our partials are visible device-wide before we are counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter = p.counters + blockIdx.y * gridDim.x + blockIdx.x;
+    last_split = atomicAdd(counter, 1) == p.splits - 1;
+    if (last_split) *counter = 0;  // every split has arrived: reset for the next launch
+  }
+  __syncthreads();
+  if (!last_split) return false;
+  __threadfence();
+  return true;
+}
+
+// Split-K across CTAs. `visit(f)` calls f(m, n, int& acc) for every accumulator this thread
+// holds (threads holding none call nothing); the fused sparse-dense kernel's visit calls
+// f(m, n, int& acc, float& sparse), and the fp32 outlier partials travel through
+// p.sparse_workspace beside the INT32 ones (`sparse...` is empty for the dense kernels).
+// Every thread of the CTA must call this. Returns true in the CTA that must run the
+// epilogue: the only one when splits == 1, otherwise the last split to arrive, with the
+// other splits' partials added to its own.
+template <class Visit>
+__device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
+  if (p.splits == 1) return true;
+  const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;
+  int32_t* mine = p.workspace + blockIdx.z * slice;
+  visit([&](int m, int n, int& acc, auto&... sparse) {
+    if (m < p.M) {
+      mine[m * ld + n] = acc;
+      ((p.sparse_workspace[blockIdx.z * slice + m * ld + n] = sparse), ...);
+    }
+  });
+  if (!arrive_last_split(p)) return false;
+#pragma unroll 1
+  for (int z = 0; z < p.splits; ++z) {
+    if (z == static_cast<int>(blockIdx.z)) continue;
+    const int32_t* theirs = p.workspace + z * slice;
+    visit([&](int m, int n, int& acc, auto&... sparse) {
+      if (m < p.M) {
+        acc += __ldcg(theirs + m * ld + n);  // through L2: L1 is not coherent
+        ((sparse += __ldcg(p.sparse_workspace + z * slice + m * ld + n)), ...);
+      }
+    });
+  }
+  return true;
+}
+}  // namespace qoq::gemm

@@ -1,0 +1,431 @@
+// stream_kernel (mma.sync, decode-sized M) and its fused Tile-COO outlier path; see the
+// overview in gemm_kernels.cuh.
+#pragma once
+
+#include "gemm_common.cuh"
+
+namespace qoq::gemm {
+
+// ---------------------------------------------------------------------------------------
+// stream_kernel: mma.sync, for small M
+// ---------------------------------------------------------------------------------------
+//
+// CTA = RT row tiles x WK warps splitting K (one warp per (row tile, k slice)), 8*NB tokens.
+// Grid = (NT / RT, M / (8 NB), splits). Each warp walks its k-tiles in chunks of U
+// consecutive tiles (U*512 contiguous bytes of W4 per warp) and issues the loads of all U
+// before the first mma, so U 128-bit loads per lane are in flight.
+//
+// OUTLIERS = true is the fused sparse-dense GEMM (issue 8, W4A8): the same warps also add the
+// Tile-COO outliers of their row tile (docs/tile-coo.md), sum_k S[n, k] * xq[m, k], on the
+// tensor cores, before the single write of the output. Per chunk of U k-tiles (U/2 whole
+// buckets: splits and chunks start on even k-tiles, see aligned_split_begin):
+//  * the chunk's entries (its buckets' runs one after the other) are loaded one per lane,
+//    issued right after the chunk's weight loads, so they arrive with them; the (start,
+//    count) lookups they need were fetched one chunk earlier (next_lookup);
+//  * after the dense mma, each lane scatters its entries' fp16 values into a per-warp
+//    shared-memory tile per bucket, [32 rows x 64 k] fp16, otherwise zero (scatter_entry) -
+//    every (row, column) occurs once in a section, so the scattered stores never collide;
+//  * the tile is read back as the A operand of mma.m16n8k16 (fp16 x fp16 -> fp32) with
+//    ldmatrix, and multiplied with the SAME INT8 activation registers the dense mma just used
+//    as its B fragments, converted to fp16 (exact for |x| <= 127). The k order of the tile is
+//    permuted (logical_k) so that the s8 fragment a lane holds is exactly its fp16 fragment;
+//  * the fp32 sums land in registers laid out like the INT32 accumulators (the two mma's C
+//    fragments agree), travel through the k-slice reduction and split-K beside them, and the
+//    epilogue applies sx once: y = sx * (sw * acc + sparse) (store_result_with_outliers);
+//  * the lanes write zeros back where they scattered, so the tile is zero for the next chunk.
+// Cost per bucket and warp: ~2 scattered stores per entry, 8 ldmatrix, 4 x 2NB conversions
+// and 8 NB fp16 mma - independent of how the outliers are spread, with no atomics (the first
+// version's shared-memory fp32 atomics, one per outlier and token, made the kernel 3-6x
+// slower than the dense one at 1%).
+
+constexpr int kBucketTileBytes = kBucketN * kBucketK * 2;  // one bucket as fp16 [32][64]: 4 KB
+
+// k-tiles [aligned_split_begin(z), aligned_split_begin(z + 1)) of split z of a stream-style
+// kernel: whole units of `align` k-tiles (a split never cuts a Tile-COO bucket, 2 k-tiles, or a
+// progressive group fold); a split may be empty when splits > ceil(KT / align).
+__device__ __forceinline__ int aligned_split_begin(int KT, int align, int z, int splits) {
+  return min(KT, align * split_begin(ceil_div(KT, align), z, splits));
+}
+
+// Physical column c of a bucket (0..63) -> its k in the bucket's fp16 A tile. Lane (g, t) holds,
+// in its s8 B register of k-tile c >> 5, half (c >> 4) & 1, the activations at physical
+// 16h + 4t + j (j = 0..3); mma.m16n8k16 wants, in its fp16 B registers, k = 2t, 2t + 1 (b0) and
+// 2t + 8, 2t + 9 (b1). Calling physical 4t + j "k 2t + j" (j < 2) and "k 8 + 2t + j - 2"
+// (j >= 2) makes bytes 0,1 of the s8 register b0 and bytes 2,3 b1: the tile is stored in that k
+// order, and the sum over k does not care.
+__device__ __forceinline__ int logical_k(int c) {
+  const int t = (c >> 2) & 3, j = c & 3;
+  return (c & ~15) + (j < 2 ? 2 * t + j : 8 + 2 * t + j - 2);
+}
+
+// Byte offset of (row, k) in a bucket tile: 128-byte rows whose 16-byte chunks are XOR-swizzled
+// by row & 7, so that ldmatrix's eight row reads of one chunk column hit eight bank groups.
+__device__ __forceinline__ uint32_t tile_offset(int row, int k) {
+  return row * 128 + ((((k >> 3) ^ row) & 7) << 4) + (k & 7) * 2;
+}
+
+// Zeroes `bytes` (a multiple of 16) of shared memory from addr, the lanes of a warp side by side.
+__device__ __forceinline__ void zero_shared(uint32_t addr, int bytes, int lane) {
+  for (int i = lane; i < bytes / 16; i += kWarp) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr + 16 * i), "r"(0));
+}
+
+// Writes the real slots of one entry into its bucket's tile (or zeros there, to clean up).
+__device__ __forceinline__ void scatter_entry(uint32_t tile, const uint4& e, bool zero) {
+  const int k = logical_k(e.w & (kBucketK - 1));  // byte 12: the bucket-local column
+  const uint32_t real = (e.w >> 8) & 0xF;         // byte 13: which slots hold outliers
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int row = (e.z >> (8 * s)) & (kBucketN - 1);  // bytes 8..11 (`&`: stays in the tile)
+    const uint32_t bits = zero ? 0u : ((s < 2 ? e.x : e.y) >> (16 * (s & 1))) & 0xFFFFu;  // bytes 0..7
+    if ((real >> s) & 1) asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(tile + tile_offset(row, k)), "h"(static_cast<unsigned short>(bits)));
+  }
+}
+
+// Four INT8 activations (one s8 B register) as two fp16x2 registers, exactly: biased to
+// x + 128 and placed under the exponent of 1024 (0x64XX = 1024 + byte), then 1152 subtracted.
+__device__ __forceinline__ void s8x4_to_f16x2(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  const uint32_t biased = v ^ 0x80808080u;
+  const __half2 offset = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
+  uint32_t a = __byte_perm(biased, 0x64646464u, 0x4140), b = __byte_perm(biased, 0x64646464u, 0x4342);
+  const __half2 ha = __hsub2(*reinterpret_cast<__half2*>(&a), offset), hb = __hsub2(*reinterpret_cast<__half2*>(&b), offset);
+  lo = *reinterpret_cast<const uint32_t*>(&ha);
+  hi = *reinterpret_cast<const uint32_t*>(&hb);
+}
+
+// The (start, count) of the CB buckets of the chunk starting at k-tile kt0 (lane b < CB holds
+// bucket kt0 / 2 + b's; 0 and 0 past the split). Issued a chunk early: only the entries wait.
+template <int CB>
+__device__ __forceinline__ int2 next_lookup(const Params& p, int nt, int kt0, int kt_end, int lane) {
+  int2 r = make_int2(0, 0);
+  const int nbk = kt0 < kt_end ? (min(kt0 + 2 * CB, kt_end) - kt0 + 1) / 2 : 0;
+  if (lane < nbk) r = make_int2(__ldg(p.tc_start + nt * p.NBk + kt0 / 2 + lane), __ldg(p.tc_count + nt * p.NBk + kt0 / 2 + lane));
+  return r;
+}
+
+// One chunk's outliers: CB buckets, entries dealt one per lane (E per lane loaded with the
+// weights; more, at high density, loaded here), scattered, multiplied, cleaned up.
+template <int NB, int CB, int E>
+struct ChunkOutliers {
+  int base[CB], end[CB], total;  // entry f of the chunk list = entry base[b] + f of bucket b's run
+  uint4 e[E];
+
+  __device__ __forceinline__ void load(const Params& p, int2 lookup, int lane) {
+    total = 0;
+#pragma unroll
+    for (int b = 0; b < CB; ++b) {
+      base[b] = __shfl_sync(0xffffffffu, lookup.x, b) - total;
+      total += __shfl_sync(0xffffffffu, lookup.y, b);
+      end[b] = total;
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int f = lane + kWarp * j;
+      e[j] = f < total ? ldg_stream_v4(p.tc_entries + at(f)) : make_uint4(0, 0, 0, 0);  // zero: no real slot
+    }
+  }
+  __device__ __forceinline__ int bucket(int f) const {
+    int b = 0;
+#pragma unroll
+    for (int i = 0; i + 1 < CB; ++i) b += f >= end[i];  // ends never decrease
+    return b;
+  }
+  __device__ __forceinline__ int at(int f) const {
+    const int b = bucket(f);
+    int a = base[0];
+#pragma unroll
+    for (int i = 1; i < CB; ++i) a = b == i ? base[i] : a;  // a select, not a local-memory index
+    return a + f;
+  }
+
+  // b_f16(u, nb, h, lo, hi): the fp16 B registers (k 2t, 2t+1 and 2t+8, 2t+9 of the tile's k
+  // order) of k-tile u (= 2 * bucket + u % 2), token block nb, k16 step h; sparse: the fp32 sums.
+  template <class BF16>
+  __device__ __forceinline__ void add(const Params& p, uint32_t scratch, BF16&& b_f16, float (&sparse)[2][NB][4],
+                                      int lane) {
+    if (total == 0) return;  // warp-uniform
+    __syncwarp();            // the previous chunk's clean-up is done before new values land
+#pragma unroll
+    for (int j = 0; j < E; ++j) scatter_entry(scratch + bucket(lane + kWarp * j) * kBucketTileBytes, e[j], false);
+    for (int f = E * kWarp + lane; f < total; f += kWarp)  // past E per lane: loaded now
+      scatter_entry(scratch + bucket(f) * kBucketTileBytes, ldg_stream_v4(p.tc_entries + at(f)), false);
+    __syncwarp();
+#pragma unroll
+    for (int bk = 0; bk < CB; ++bk) {
+      if (end[bk] == (bk ? end[bk - 1] : 0)) continue;  // an empty bucket (warp-uniform)
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {  // the bucket's four k16 steps: k-tile 2bk + s/2, half s%2
+        uint32_t a[2][4];
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk)  // lane l gives row 16blk + l%16 at k 16s + 8(l/16)
+          ldmatrix_x4(a[blk], scratch + bk * kBucketTileBytes + tile_offset(16 * blk + (lane & 15), 16 * s + 8 * (lane >> 4)));
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          uint32_t lo, hi;
+          b_f16(2 * bk + s / 2, nb, s % 2, lo, hi);
+#pragma unroll
+          for (int blk = 0; blk < 2; ++blk) mma_f16_16816(sparse[blk][nb], a[blk], lo, hi);
+        }
+      }
+    }
+    __syncwarp();  // every lane has read the tiles before any lane clears them
+    if (total <= E * kWarp) {
+#pragma unroll
+      for (int j = 0; j < E; ++j) scatter_entry(scratch + bucket(lane + kWarp * j) * kBucketTileBytes, e[j], true);
+    } else {  // entries this lane did not keep: clear the chunk's tiles whole
+      zero_shared(scratch, CB * kBucketTileBytes, lane);
+    }
+  }
+};
+
+// The k-slice reduction of the stream kernel: WK warps of a row tile hold partial sums of the
+// same outputs in the same registers; a tree through shared memory, laid out
+// [row tile][slot][register][lane] so that every access is one conflict-free word per lane.
+// T is int (the dense sums) or float (the outliers'), carried as bits.
+template <int NB, int RT, int WK, class T>
+__device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int rt, int wk, int lane) {
+  constexpr int kRegs = 2 * NB * 4;
+  auto bits = [](T x) { if constexpr (sizeof(T) == 4 && !std::is_integral_v<T>) return __float_as_int(x); else return x; };
+  auto value = [](int x) { if constexpr (!std::is_integral_v<T>) return __int_as_float(x); else return x; };
+#pragma unroll
+  for (int s = WK / 2; s >= 1; s /= 2) {
+    if (wk >= s && wk < 2 * s) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = bits(v[r / (4 * NB)][(r / 4) % NB][r % 4]);
+    }
+    __syncthreads();
+    if (wk < s) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) v[r / (4 * NB)][(r / 4) % NB][r % 4] += value(red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane]);
+    }
+    __syncthreads();
+  }
+}
+
+// Where a thread of a stream-style CTA (RT row tiles x WK warps splitting K, 8 NB tokens; the
+// stream and W4A16 kernels) works: its lane's (g, t) in the mma fragments, its warp's row
+// tile and k slice, the CTA's first token, and the k-tiles of its split - whole units of ALIGN
+// k-tiles (aligned_split_begin): whole buckets when the kernel adds outliers, whole group
+// folds in the progressive stream kernel.
+template <int NB, int RT, int WK, int ALIGN>
+struct StreamThread {
+  int warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end;
+
+  __device__ __forceinline__ explicit StreamThread(const Params& p)
+      : warp(threadIdx.x / kWarp), lane(threadIdx.x % kWarp), g(lane / 4), t(lane % 4), rt(warp / WK), wk(warp % WK),
+        nt(blockIdx.x * RT + rt), m0(blockIdx.y * 8 * NB),
+        kt_begin(aligned_split_begin(p.KT, ALIGN, blockIdx.z, p.splits)),
+        kt_end(aligned_split_begin(p.KT, ALIGN, blockIdx.z + 1, p.splits)) {}
+
+  // After the k-slice reduction, the k-slice-0 warp of each row tile holds the sums.
+  __device__ __forceinline__ bool holds_sums(const Params& p) const { return wk == 0 && nt < p.NT; }
+
+  // f(blk, nb, r, m, n) for every accumulator register [blk][nb][r] of the mma C layout: token
+  // m0 + 8nb + 2t + (r & 1), row nt*32 + 16blk + g + 8(r >> 1).
+  template <class F>
+  __device__ __forceinline__ void for_each_output(F&& f) const {
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) f(blk, nb, r, m0 + 8 * nb + 2 * t + (r & 1), nt * 32 + 16 * blk + g + 8 * (r >> 1));
+  }
+};
+
+// One warp's chunk of U consecutive k-tiles, as loaded: its lanes' weight fragments, the B
+// fragments of its NB token blocks and, progressive, the level-1 parameter words of each of
+// the chunk's F folds (F = U / GKc; see stream_kernel).
+template <Kind K, int NB, int U, int F>
+struct StreamChunk {
+  uint4 w[U][kLaneBytes<K> / 16];
+  uint32_t b[U][NB][2];
+  uint32_t s1[F], zs1[F];
+};
+
+// The k-tile of slot u of a chunk starting at kt0: WHOLE chunks (kt0 + U <= kt_end, the steady
+// state) use kt0 + u, so that every address is one base plus an immediate; the tail re-loads
+// the split's last tile for the slots past it (their mma is skipped).
+template <bool WHOLE>
+__device__ __forceinline__ int chunk_tile(int kt0, int u, int kt_end) {
+  return WHOLE ? kt0 + u : min(kt0 + u, kt_end - 1);
+}
+
+// QoQ progressive weights in the stream kernel: group scaling in accumulator space. The exact
+// INT8 weight is (q - z) * s1, with q the raw code, s1 and z per (row, group). Instead of
+// rebuilding it for every 32-bit word (the wgmma kernel's progressive_quad: a byte
+// select, a subtract, a multiply-add and an xor per word, and the group's constants per
+// k-tile), the stream kernel multiplies the RAW codes, like the per-channel kernel, into a
+// per-group partial sum P = sum_k q x, sums the group's activations X = sum_k x with one more
+// mma whose A operand is all ones, and once per group folds both into the accumulator:
+//     acc += s1 * P - (z * s1) * X  =  sum_k (q - z) * s1 * x           (exact INT32)
+// That moves the level-1 work from per weight word (8 words a k-tile) to per accumulator and
+// group (2 multiply-adds per accumulator register every GKc k-tiles): at g128 and NB = 1 the
+// loop drops from the 85 instructions per k-tile and warp profiled for version 4 to about 40
+// (counted in the source, not profiled). Partial sums stay small (|P| <= 256 * 15 * 128 for
+// GKc <= 8). Flushing part of a group (a chunk or a split ends inside it) is exact too: the
+// fold is linear. The fold's cost grows with the accumulators (8 NB registers) while the
+// per-word dequantization's does not, so from NB = 4 (M > 16) the kernel dequantizes per word
+// as the wgmma kernel does (measured on the H200: the fold made M = 32 ~10-25% slower).
+__device__ __forceinline__ void fold_group(int (&acc)[4], const int (&part)[4], const int (&xsum)[4], int s1_lo,
+                                           int s1_hi, int zs_lo, int zs_hi) {
+  // Registers 0, 1 are row g (level-1 parameters *_lo), 2, 3 row g + 8 (*_hi); tokens 2t, 2t+1.
+  acc[0] += s1_lo * part[0] - zs_lo * xsum[0];
+  acc[1] += s1_lo * part[1] - zs_lo * xsum[1];
+  acc[2] += s1_hi * part[2] - zs_hi * xsum[2];
+  acc[3] += s1_hi * part[3] - zs_hi * xsum[3];
+}
+
+template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS = false, int GKc = 1>
+__global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const Params p) {
+  static_assert((WK & (WK - 1)) == 0, "the k-slice reduction is a tree");
+  static_assert(!OUTLIERS || (U % 2 == 0 && U / 2 <= kWarp), "a chunk holds U / 2 whole buckets, one lookup lane each");
+  constexpr bool kProgressive = K == Kind::kProgressive;
+  constexpr bool kFold = kProgressive && NB <= 2;  // group scaling in accumulator space (fold_group)
+  static_assert(!kProgressive || U % GKc == 0, "a chunk holds whole folds");
+  static_assert(kFold || GKc == 1, "per-word dequantization loads parameters per k-tile");
+  constexpr int kBytes = kLaneBytes<K>;
+  constexpr int CB = U / 2;                       // OUTLIERS: buckets per chunk
+  constexpr int F = kProgressive ? U / GKc : 1;   // progressive: parameter words (folds) per chunk
+  // Splits start on whole folds (progressive) and whole buckets (OUTLIERS), so chunks do too:
+  // both units are powers of two, and the larger is a multiple of the smaller.
+  constexpr int kFoldTiles = kProgressive ? GKc : 1, kBucketTiles = OUTLIERS ? 2 : 1;
+  constexpr int kAlign = kFoldTiles > kBucketTiles ? kFoldTiles : kBucketTiles;
+  const StreamThread<NB, RT, WK, kAlign> th(p);
+  const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;  // (lambdas below read th.kt_end)
+
+  __shared__ int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
+  extern __shared__ __align__(128) uint8_t stream_dynamic[];  // OUTLIERS: CB bucket tiles per warp
+  const uint32_t scratch = smem_u32(stream_dynamic) + warp * CB * kBucketTileBytes;
+  if constexpr (OUTLIERS) zero_shared(scratch, CB * kBucketTileBytes, lane);
+
+  // The next kernel of the stream (if launched by launch_maybe_pdl) may start once every CTA
+  // of this grid has come this far; its CTAs take the slots ours free.
+  pdl_launch_dependents();
+  int acc[2][NB][4] = {};
+  float sparse[2][NB][4] = {};  // OUTLIERS: the fp32 outlier sums, same (row, token) as acc
+  if (nt >= p.NT) pdl_wait();  // (the others wait below, after their first weight loads)
+  if (nt < p.NT) {
+    // B fragment rows: token m0 + 8nb + g. Rows past M re-read row M - 1 (never stored).
+    const int8_t* xrow[NB];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) xrow[nb] = p.x + static_cast<size_t>(min(m0 + 8 * nb + g, p.M - 1)) * p.Kp + 4 * t;
+    const uint8_t* wrow = p.qweight + static_cast<size_t>(nt) * p.KT * 32 * kBytes + lane * kBytes;
+    const size_t params_row = (static_cast<size_t>(nt) * p.groups) * 32 + 4 * g;  // progressive only
+    using Chunk = StreamChunk<K, NB, U, F>;
+
+    // Loads a chunk's weights and parameters (WEIGHTS: data no earlier kernel writes) or its
+    // activations (!WEIGHTS).
+    auto load = [&](Chunk& c, int kt0, auto whole, auto weights) {
+      constexpr bool kWhole = decltype(whole)::value, kWeights = decltype(weights)::value;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int kt = chunk_tile<kWhole>(kt0, u, th.kt_end);
+        if constexpr (kWeights) {
+#pragma unroll
+          for (int h = 0; h < kBytes / 16; ++h) c.w[u][h] = ldg_stream_v4(wrow + static_cast<size_t>(kt) * 32 * kBytes + 16 * h);
+        } else {
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb) {
+            c.b[u][nb][0] = ldg_u32(xrow[nb] + kt * 32);       // k = 4t .. 4t+3
+            c.b[u][nb][1] = ldg_u32(xrow[nb] + kt * 32 + 16);  // k = 16+4t ..
+          }
+        }
+      }
+      if constexpr (kProgressive && kWeights) {
+#pragma unroll
+        for (int f = 0; f < F; ++f) {  // byte i of the words: row 8i + g (layout.pack_group_params)
+          const size_t at = params_row + static_cast<size_t>(chunk_tile<kWhole>(kt0, f * GKc, th.kt_end) >> p.group_shift) * 32;
+          c.s1[f] = ldg_u32(p.scale1 + at);
+          c.zs1[f] = ldg_u32(p.zxs1 + at);
+        }
+      }
+    };
+    auto load_chunk = [&](Chunk& c, int kt0, auto weights) {  // warp-uniform branch
+      if (kt0 + U <= th.kt_end) load(c, kt0, std::true_type{}, weights);
+      else load(c, kt0, std::false_type{}, weights);
+    };
+
+    // The dense products of one loaded chunk.
+    auto compute = [&](const Chunk& c, int kt0) {
+      constexpr uint32_t kOnes[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
+#pragma unroll
+      for (int f = 0; f < F; ++f) {
+        int part[2][NB][4] = {}, xsum[NB][4] = {};  // kFold: this fold's P and X
+#pragma unroll
+        for (int j = 0; j < (kProgressive ? GKc : U); ++j) {
+          const int u = f * (kProgressive ? GKc : U) + j;
+          if (kt0 + u < th.kt_end) {
+            uint32_t a[2][4];
+            if constexpr (K == Kind::kInt8Channel) w8_to_a(c.w[u][0], c.w[u][kBytes / 16 - 1], a);
+            else if constexpr (kProgressive && !kFold) w4_progressive_to_a(c.w[u][0], c.s1[u], c.zs1[u], a);
+            else w4_codes_to_a(c.w[u][0], a);  // folded progressive and per-channel alike: raw codes
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+              for (int blk = 0; blk < 2; ++blk) mma_s8_16832(kFold ? part[blk][nb] : acc[blk][nb], a[blk], c.b[u][nb][0], c.b[u][nb][1]);
+              if constexpr (kFold) mma_s8_16832(xsum[nb], kOnes, c.b[u][nb][0], c.b[u][nb][1]);
+            }
+          }
+        }
+        if constexpr (kFold) {
+          int s1[4], zs[4];  // rows g, g + 8, g + 16, g + 24 (block 0 lo/hi, block 1 lo/hi)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            s1[i] = static_cast<int>(__byte_perm(c.s1[f], 0, 0x4440 | i));
+            zs[i] = static_cast<int>(__byte_perm(c.zs1[f], 0, 0x4440 | i));
+          }
+#pragma unroll
+          for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) fold_group(acc[blk][nb], part[blk][nb], xsum[nb], s1[2 * blk], s1[2 * blk + 1], zs[2 * blk], zs[2 * blk + 1]);
+        }
+      }
+    };
+
+    const int first = kt_begin + wk * U, step = WK * U;
+    // Before pdl_wait, while the previous kernel may still run: the first chunk's weights
+    // (static data). (Measured and not kept: asking L2 for the next chunks ahead with bulk
+    // prefetches, 2 or 4 chunks per warp, made every shape 2-19% slower.)
+    Chunk c;
+    if (first < kt_end) load_chunk(c, first, std::true_type{});
+    pdl_wait();
+    int2 lookup{};
+    if constexpr (OUTLIERS) lookup = next_lookup<CB>(p, nt, first, kt_end, lane);
+    for (int kt0 = first; kt0 < kt_end; kt0 += step) {
+      if (kt0 != first) load_chunk(c, kt0, std::true_type{});
+      load_chunk(c, kt0, std::false_type{});
+      // OUTLIERS: the entries go out right after the weights (their lookups came a chunk ago,
+      // except for the first chunk), and the next chunk's lookups after them.
+      ChunkOutliers<NB, CB, 2> outliers;
+      if constexpr (OUTLIERS) {
+        outliers.load(p, lookup, lane);
+        lookup = next_lookup<CB>(p, nt, kt0 + step, kt_end, lane);
+      }
+      compute(c, kt0);
+      // (A k-tile past kt_end holds a re-loaded B fragment; its bucket columns hold no outliers.)
+      if constexpr (OUTLIERS) {
+        outliers.add(p, scratch, [&](int u, int nb, int h, uint32_t& lo, uint32_t& hi) { s8x4_to_f16x2(c.b[u][nb][h], lo, hi); },
+                     sparse, lane);
+      }
+    }
+  }
+
+  if constexpr (WK > 1) {
+    reduce_k_slices<NB, RT, WK>(acc, red, rt, wk, lane);
+    if constexpr (OUTLIERS) reduce_k_slices<NB, RT, WK>(sparse, red, rt, wk, lane);
+  }
+
+  const bool holds = th.holds_sums(p);
+  auto visit = [&](auto&& f) {
+    if (!holds) return;
+    th.for_each_output([&](int blk, int nb, int r, int m, int n) {
+      if constexpr (OUTLIERS) f(m, n, acc[blk][nb][r], sparse[blk][nb][r]);
+      else f(m, n, acc[blk][nb][r]);
+    });
+  };
+  if (reduce_splits(p, visit)) {
+    if constexpr (OUTLIERS) visit([&](int m, int n, int& v, float& s) { store_result_with_outliers<K>(p, m, n, v, s); });
+    else visit([&](int m, int n, int& v) { store_result<K>(p, m, n, v); });
+  }
+}
+}  // namespace qoq::gemm

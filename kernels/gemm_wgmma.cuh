@@ -1,0 +1,279 @@
+// wgmma_kernel (Hopper warpgroup MMA fed by TMA, larger M) and its epilogue; see the
+// overview in gemm_kernels.cuh.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes via the runtime)
+
+#include "gemm_common.cuh"
+
+namespace qoq::gemm {
+
+// ---------------------------------------------------------------------------------------
+// wgmma_kernel: Hopper warpgroup MMA fed by TMA, for large M (sm_90a)
+// ---------------------------------------------------------------------------------------
+//
+// CTA = WGS warpgroups x 128 rows (4 row tiles each) x 128 tokens; grid = (NT / (4 WGS),
+// M / 128, splits). One pipeline stage = 4 k-tiles = 128 bytes of K: exactly one row of the
+// 128-byte swizzle, so a stage's activations are one TMA box of 128 tokens x 128 bytes,
+// swizzled by the copy engine as wgmma wants them. Per stage, shared memory holds
+//   [activations 128 x 128 B, swizzled][weights: row tile x k-tile x lane x 16 B, the packed
+//    order][progressive: scale1 box, z*s1 box: row tile x group x 32 B]
+// all brought by TMA (rows and k-tiles past the end arrive as zeros). Thread 0 issues the
+// copies S-1 stages ahead and they complete on the stage's `full` mbarrier; each warp
+// arrives on the stage's `empty` mbarrier once its wgmmas of that stage have retired, which
+// lets thread 0 reuse the slot. Warpgroups never wait for each other otherwise.
+
+struct TmaMaps {
+  CUtensorMap x, w, s1, zs1;  // s1/zs1 only for progressive weights
+};
+
+template <Kind K, int WGS>
+struct WgmmaShape {
+  static constexpr int kBN = 128;      // tokens per CTA
+  static constexpr int kRT = 4 * WGS;  // row tiles per CTA
+  static constexpr int kKT = 4;        // k-tiles per stage
+  static constexpr int kXBytes = kBN * 128;
+  static constexpr int kWBytes = kRT * kKT * 32 * kLaneBytes<K>;
+  static constexpr int kPBytes = K == Kind::kProgressive ? 2 * kRT * 4 * 32 : 0;  // up to 4 groups a stage
+  static constexpr int kStage = (kXBytes + kWBytes + kPBytes + 1023) / 1024 * 1024;
+  static constexpr int kStages = (200 * 1024 / kStage) < 6 ? (200 * 1024 / kStage) : 6;
+  static constexpr int kSmem = kStages * kStage + 1024;  // + 1024: the base is rounded up to 1024
+  static constexpr int kThreads = WGS * 128;
+  static_assert(kStages >= 3, "the pipeline needs three stages");
+};
+
+// The wgmma kernel's split-K and epilogue go through shared memory. A lane's accumulators
+// are scattered over the tile (d[i] of m16 block b of warp w: row 32w + 16b + g + 8((i>>1)&1),
+// token 8(i>>2) + 2t + (i&1)), and storing them where they lie (what reduce_splits and
+// store_result do for the stream kernel, with a handful per lane) cost the wgmma kernel one
+// dependent global load/store chain per accumulator: 128 round trips per thread, a fixed
+// 20-29 us per wave of CTAs (benchmarks/notes-gemm.md, version 6; now 4.7 us). Staged as a [128 tokens] x
+// [rows] INT32 tile, each thread owns instead 32 chunks of 4 consecutive rows of one token
+// (tokens 4 apart): partial sums move as coalesced 16-byte loads and stores, 16 in flight
+// at once, and the scales are read before anything is stored.
+template <int WGS>
+struct WgmmaStaging {
+  static constexpr int kRows = 128 * WGS;                // rows of the CTA's tile
+  static constexpr int kPitch = kRows + 4;               // words per token: +4 puts a warp's 32 staging stores on 32 banks
+  static constexpr int kChunks = kRows / 4;              // 16-byte chunks per token
+  static constexpr int kTokenStep = 128 * WGS / kChunks; // = 4 tokens per pass of the CTA's threads
+  static constexpr int kPasses = 128 / kTokenStep;       // = 32 chunks per thread
+  static constexpr int kBytes = 128 * kPitch * 4;
+};
+
+__device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
+  return static_cast<uint32_t>(__half_as_ushort(lo)) | static_cast<uint32_t>(__half_as_ushort(hi)) << 16;
+}
+
+__device__ __forceinline__ void add4(int4& a, const int4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
+}
+
+template <Kind K, int WGS>
+__device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2][64], int* tile, int m0, int nt0) {
+  using T = WgmmaStaging<WGS>;
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < 64; ++i)
+      tile[(8 * (i >> 2) + 2 * t + (i & 1)) * T::kPitch + 32 * warp + 16 * b + g + 8 * ((i >> 1) & 1)] = acc[b][i];
+  __syncthreads();
+
+  const int c = tid % T::kChunks, first = tid / T::kChunks;  // rows n0..n0+3 of tokens m0 + first + 4j
+  const int n0 = nt0 * 32 + 4 * c;
+  auto token = [&](int j) { return m0 + first + T::kTokenStep * j; };
+  auto staged = [&](int j) { return *reinterpret_cast<const int4*>(tile + (first + T::kTokenStep * j) * T::kPitch + 4 * c); };
+  const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;  // workspace [split][M][NT*32]
+  const bool rows_in = n0 < static_cast<int>(ld);  // false past the last row tile (grid rounding)
+  if (p.splits > 1) {  // as reduce_splits, in whole chunks
+    int32_t* mine = p.workspace + blockIdx.z * slice + n0;
+#pragma unroll 4
+    for (int j = 0; j < T::kPasses; ++j)
+      if (rows_in && token(j) < p.M) *reinterpret_cast<int4*>(mine + token(j) * ld) = staged(j);
+    if (!arrive_last_split(p)) return;
+  }
+  if (n0 >= p.N) return;
+
+  // Whole chunks (N % 4 == 0, so n0 < N means all four rows are in) go out as one vector store.
+  const bool whole = p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+  float sw[4];
+  int zero[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const bool in = n0 + r < p.N;
+    sw[r] = in ? __half2float(p.scale[n0 + r]) : 0.f;
+    zero[r] = K == Kind::kUInt4Channel && in ? static_cast<int>(p.zero[n0 + r]) : 0;
+  }
+  // Blocks of 16 tokens: the other splits' partials (16 loads in flight per split) and the
+  // tokens' scales are all read before the block's stores.
+  constexpr int kBlock = 16;
+#pragma unroll 1
+  for (int j0 = 0; j0 < T::kPasses; j0 += kBlock) {
+    int4 v[kBlock];
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) v[j] = staged(j0 + j);
+#pragma unroll 1
+    for (int z = 0; z < p.splits; ++z) {
+      if (z == static_cast<int>(blockIdx.z)) continue;
+      const int32_t* theirs = p.workspace + z * slice + n0;
+      int4 w[kBlock];
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) {
+        const int m = token(j0 + j);
+        w[j] = m < p.M ? __ldcg(reinterpret_cast<const int4*>(theirs + m * ld)) : make_int4(0, 0, 0, 0);  // L2: L1 is not coherent
+      }
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) add4(v[j], w[j]);
+    }
+    float sx[kBlock];
+    int rowsum[kBlock];
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+      const int m = token(j0 + j);
+      sx[j] = m < p.M ? __half2float(p.x_scale[m]) : 0.f;
+      rowsum[j] = K == Kind::kUInt4Channel && m < p.M ? p.x_rowsum[m] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+      const int m = token(j0 + j);
+      if (m >= p.M) continue;
+      int a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] -= zero[r] * rowsum[j];  // per-channel zero point (0 otherwise)
+      const size_t at = static_cast<size_t>(m) * p.N + n0;
+      if (p.out_i32) {
+        int32_t* out = static_cast<int32_t*>(p.out) + at;
+        if (whole) {
+          *reinterpret_cast<int4*>(out) = make_int4(a[0], a[1], a[2], a[3]);
+        } else {
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            if (n0 + r < p.N) out[r] = a[r];
+        }
+        continue;
+      }
+      __half y[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) y[r] = __float2half_rn(dense_value<K>(a[r], sx[j], sw[r]));
+      __half* out = static_cast<__half*>(p.out) + at;
+      if (whole) {
+        *reinterpret_cast<uint2*>(out) = make_uint2(pack_half2(y[0], y[1]), pack_half2(y[2], y[3]));
+      } else {
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          if (n0 + r < p.N) out[r] = y[r];
+      }
+    }
+  }
+}
+
+template <Kind K, int WGS>
+__global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
+#if QOQ_HAS_WGMMA
+  using S = WgmmaShape<K, WGS>;
+  constexpr int kBytes = kLaneBytes<K>;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * S::kStages];  // full[0, S), empty[S, 2S)
+  const uint32_t smem = (smem_u32(smem_raw) + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
+  const uint32_t full = smem_u32(&bars[0]), empty = smem_u32(&bars[S::kStages]);
+
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4;
+  const int nt0 = blockIdx.x * S::kRT, m0 = blockIdx.y * S::kBN;
+  // Splits are whole stages, so a stage always starts at a multiple of 4 k-tiles and never
+  // straddles a group (groups are 32 * 2^j wide).
+  const int stages = ceil_div(p.KT, S::kKT);
+  const int st_begin = split_begin(stages, blockIdx.z, p.splits), n_stages = split_begin(stages, blockIdx.z + 1, p.splits) - st_begin;
+  const int kt_begin = st_begin * S::kKT;
+  const int gps = p.groups_per_stage;
+  const uint32_t param_box = S::kRT * gps * 32;  // bytes of one parameter box
+  const uint32_t tx_bytes = S::kXBytes + S::kWBytes + (K == Kind::kProgressive ? 2 * param_box : 0);
+
+  pdl_launch_dependents();  // the next kernel may start; it waits for us before it reads our output
+  if (tid == 0) {
+    for (int i = 0; i < S::kStages; ++i) {
+      mbar_init(full + 8 * i, 1);                 // thread 0's arrive.expect_tx
+      mbar_init(empty + 8 * i, S::kThreads / kWarp);  // one arrival per warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  pdl_wait();  // the previous kernel (which may write our activations) has finished
+
+  auto issue = [&](int s) {  // thread 0: all copies of stage s
+    const int slot = s % S::kStages, kt0 = kt_begin + s * S::kKT;
+    const uint32_t base = smem + slot * S::kStage, bar = full + 8 * slot;
+    mbar_arrive_expect_tx(bar, tx_bytes);
+    tma_load_2d(base, &maps.x, kt0 * 32, m0, bar);
+    tma_load_3d(base + S::kXBytes, &maps.w, 0, kt0, nt0, bar);
+    if constexpr (K == Kind::kProgressive) {
+      const int grp0 = kt0 >> p.group_shift;
+      tma_load_3d(base + S::kXBytes + S::kWBytes, &maps.s1, 0, grp0, nt0, bar);
+      tma_load_3d(base + S::kXBytes + S::kWBytes + param_box, &maps.zs1, 0, grp0, nt0, bar);
+    }
+  };
+
+  int acc[2][64];  // [m16 block of the row tile][wgmma fragment]
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[b][i] = 0;
+
+  if (tid == 0)
+    for (int s = 0; s < S::kStages - 1 && s < n_stages; ++s) issue(s);
+  const int rt = warp;  // this warp's row tile in the CTA (warp w of warpgroup q: 4q + w)
+  for (int s = 0; s < n_stages; ++s) {
+    const int ahead = s + S::kStages - 1;  // refill the slot of stage s-1, released at the end of iteration s-1
+    if (tid == 0 && ahead < n_stages) {
+      if (ahead >= S::kStages) mbar_wait(empty + 8 * (ahead % S::kStages), (ahead / S::kStages - 1) & 1);
+      issue(ahead);
+    }
+    mbar_wait(full + 8 * (s % S::kStages), (s / S::kStages) & 1);
+    __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
+
+    const uint32_t base = smem + (s % S::kStages) * S::kStage;
+    // All of the stage's fragments first: their shared-memory latencies overlap. No k-tile is
+    // skipped in the last, partial stage: TMA filled the k-tiles past K with zeros (weights,
+    // group parameters and activations alike), and they add zero.
+    Fragment<K> f[S::kKT];
+#pragma unroll
+    for (int kk = 0; kk < S::kKT; ++kk) {
+      const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
+#pragma unroll
+      for (int h = 0; h < kBytes / 16; ++h) f[kk].w[h] = lds_v4(wtile + 16 * h);
+      if constexpr (K == Kind::kProgressive) {
+        // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
+        const uint32_t params = base + S::kXBytes + S::kWBytes + (rt * gps + (kk >> p.group_shift)) * 32 + 4 * g;
+        f[kk].s1 = lds_u32(params);
+        f[kk].zs1 = lds_u32(params + param_box);
+      }
+    }
+    // Every A operand of the stage is written before its first wgmma, and every wgmma of the
+    // stage has retired before the next stage writes any: a wgmma reads its A registers
+    // asynchronously until a wait retires it, and ptxas neither knows that nor keeps the
+    // registers from other uses, so nothing may be written while one is in flight. (With
+    // per-k-tile waits instead, ptxas moved the next k-tiles' writes above the waits and
+    // the results went wrong: notes-gemm.md, version 6.)
+    uint32_t a[S::kKT][2][4];
+#pragma unroll
+    for (int kk = 0; kk < S::kKT; ++kk) f[kk].to_a(a[kk]);
+    wgmma_fence();  // a[] was written by ordinary instructions
+#pragma unroll
+    for (int kk = 0; kk < S::kKT; ++kk) {
+      const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
+      wgmma_m64n128k32_rs(acc[0], a[kk][0], desc);
+      wgmma_m64n128k32_rs(acc[1], a[kk][1], desc);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    if (lane == 0) mbar_arrive(empty + 8 * (s % S::kStages));  // this stage's slot can be refilled
+  }
+  __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
+  static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS>::kBytes, "the staging tile must fit in the pipeline's slots");
+  wgmma_epilogue<K, WGS>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
+#endif  // QOQ_HAS_WGMMA
+}
+}  // namespace qoq::gemm
