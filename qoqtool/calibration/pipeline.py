@@ -25,7 +25,7 @@ from qoqtool.calibration.capture import LayerCapture, capture_layer
 from qoqtool.calibration.runner import capture_first_layer_inputs, run_layer
 from qoqtool.calibration.stats import SHARED_INPUTS, InputStats, collect_input_stats
 from qoqtool.calibration.steps import STEPS, step_params
-from qoqtool.models.adapter import LINEAR_NAMES, ModelAdapter
+from qoqtool.models.adapter import ModelAdapter
 from qoqtool.quantizers.formats import QuantizedWeight
 from qoqtool.quantizers.schemes import WeightScheme
 from qoqtool.recipe import Recipe
@@ -38,10 +38,6 @@ ProgressFn = Callable[[str, int, int], None]  # (what, done, total)
 # a subsample of CAPTURED_TOKENS of them for grid searches, and the post-RoPE keys.
 CAPTURED_INPUTS = ("o_proj", "down_proj")
 CAPTURED_TOKENS = 2048
-# gptq.true_sequential: the linears of a layer in the order their inputs are computed (the
-# stats.SHARED_INPUTS accumulator each group reads).
-SEQUENTIAL_GROUPS = (("q_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)),
-                     ("gate_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
 
 
 @dataclass
@@ -177,12 +173,13 @@ def quantize_model(
             continue
         need_hessian = "gptq" in solver or "clip" in solver
         sequential = "gptq" in solver and solver["gptq"].true_sequential
-        for source, names in SEQUENTIAL_GROUPS if sequential else ((None, LINEAR_NAMES),):
-            if source == "o_proj":
+        # stats.SHARED_INPUTS lists a layer's inputs in the order they are computed: with
+        # true_sequential each is gathered (and its readers rounded) on its own, in that order.
+        for sources in [(src,) for src in SHARED_INPUTS] if sequential else [tuple(SHARED_INPUTS)]:
+            if sequential and sources == ("o_proj",):
                 parts.attn.qoq_kv_bits = recipe.kv_bits  # o_proj's inputs: attention over the quantized cache
-            sources = (source,) if source else tuple(SHARED_INPUTS)
             stats, _ = collect_input_stats(parts, inputs, device, need_hessian, batch_size, sources)
-            for name in names:
+            for name in stats:  # the readers of `sources`: q/k/v, o, gate/up, down
                 linear = getattr(parts, name)
                 qualified = _qualified(i, name)
                 keeper = OutlierKeeper(targets[qualified]) if targets else None
