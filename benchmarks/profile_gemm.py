@@ -34,15 +34,14 @@ def main() -> None:
     w8 = (torch.randint(-127, 128, (a.n // 32, a.k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
           (torch.rand(a.n, device="cuda", generator=g) * 1e-3).half())
     chosen = cuda_ops.Plan(*map(int, a.plan.split(","))) if a.plan else cuda_ops.plan(a.m, a.n // 32, a.k // 32, 132, True)
-    for label, plan, call in [("per_group", chosen, lambda: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, a.n)),
-                              ("per_channel", chosen,
-                               lambda: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *wc, a.n)),
-                              ("w8a8", chosen, lambda: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w8, a.n))]:
-        cuda_ops.PLAN_OVERRIDE = plan
+    cuda_ops.PLAN_OVERRIDE = chosen
+    for label, call in [("per_group", lambda: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, a.n)),
+                        ("per_channel", lambda: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *wc, a.n)),
+                        ("w8a8", lambda: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w8, a.n))]:
         for _ in range(2):
             call()
         torch.cuda.synchronize()
-        print(label, plan.name(), flush=True)
+        print(label, chosen.name(), flush=True)
     cuda_ops.PLAN_OVERRIDE = None
 
 
