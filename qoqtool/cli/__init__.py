@@ -64,12 +64,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except Exception as e:  # click's own usage errors carry their exit code
         for ex in _click_exception_modules():
-            if isinstance(e, ex.ClickException):
+            # (not every vendored click has every class: typer 0.29's lacks Exit and Abort)
+            if isinstance(e, getattr(ex, "ClickException", ())):
                 e.show()
                 sys.exit(e.exit_code)
-            if isinstance(e, ex.Exit):
+            if isinstance(e, getattr(ex, "Exit", ())):
                 sys.exit(e.exit_code)
-            if isinstance(e, ex.Abort):
+            if isinstance(e, getattr(ex, "Abort", ())):
                 sys.exit(130)
         raise
 
