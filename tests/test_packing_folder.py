@@ -138,10 +138,40 @@ def test_tiny_qoq_recipes_pack_exactly(tmp_path, recipe):
     assert torch.equal(out, ref)
 
 
+def test_online_down_rotation_survives_save_and_pack(tmp_path):
+    """A recipe that rotates down_proj's input online: the saved and the packed folder rebuild
+    the rotation from the manifest's recipe, and compute what the model did in memory up to
+    the folder's fp16 storage of the float tensors (1.7% here, with or without the rotation);
+    a different rotation would be far off."""
+    raw = load_recipe("qoq-w4a8kv4-g128").to_dict()
+    raw["steps"] = [{"rotate": {"seed": 1, "down_hadamard": True}}, {"gptq": {}}]
+    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    model = tiny_qwen2()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    from qoqtool.calibration.pipeline import quantize_model
+
+    result = quantize_model(model, recipe_from_dict(raw), tokens)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+    qdir = quantized.save(result, None, str(tmp_path / "q"), "tiny", {"source": "test", "samples": 4})
+    packed.pack_folder(str(qdir), str(tmp_path / "p"))
+    with torch.no_grad():
+        saved = load_quantized_folder(qdir, fs.read_manifest(qdir))
+        assert sum(hasattr(m, "qoq_down_rotation") for m in saved.modules()) == 2
+        ref = saved(ids).logits
+        out = packed.load_packed_folder(tmp_path / "p", fs.read_manifest(tmp_path / "p"))(ids).logits
+        for m in saved.modules():
+            if hasattr(m, "qoq_down_rotation"):
+                m.qoq_down_rotation.signs.neg_()  # another rotation
+        wrong = saved(ids).logits
+    rel = lambda a: float((a - want).norm() / want.norm())  # noqa: E731
+    assert torch.equal(out, ref) and rel(ref) < 0.03 and rel(wrong) > 0.1, (rel(ref), rel(wrong))
+
+
 def test_manifest_and_files(tiny_folders):
     qdir, pdir = tiny_folders["prog-g32"]
     qman, man = fs.read_manifest(qdir), fs.read_manifest(pdir)
-    assert (man["format"], man["format_version"], man["float_dtype"]) == ("qoqtool-packed", 3, "float16")
+    assert (man["format"], man["format_version"], man["float_dtype"]) == ("qoqtool-packed", 4, "float16")
     assert man["outliers"] is None
     assert man["recipe"] == qman["recipe"] and man["calibration"] == qman["calibration"]
     gate = man["linears"]["model.layers.0.mlp.gate_proj"]

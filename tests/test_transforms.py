@@ -30,6 +30,43 @@ def test_random_hadamard_is_orthogonal_and_seeded():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+@pytest.mark.parametrize("n", [12, 64, 72, 576, 1536, 14336])
+def test_kronecker_rotation_is_the_random_hadamard(n):
+    """The online down_proj rotation, applied factor by factor, is x @ random_hadamard(n),
+    and stays float32 in a model cast to half."""
+    from qoqtool.runtime.mlp import KroneckerRotation
+
+    rotation = KroneckerRotation(n, seed=7)
+    x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n))
+    want = (x.double() @ random_hadamard(n, 7)).float()
+    assert torch.allclose(rotation(x), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    rotation.half()
+    assert rotation.signs.dtype == torch.float32 and rotation(x.half()).dtype == torch.float16
+
+
+def test_down_rotation_leaves_down_proj_to_itself():
+    """With down_hadamard, smoothing and reordering skip down_proj (its input is rotated
+    online: their scales and permutations could not be folded into up/gate) and say so."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    rotate = [{"rotate": {"down_hadamard": True}}]
+    rotated = tiny_model("llama", seed=2)
+    quantize_model(rotated, _transform_recipe(rotate), tokens, transform_only=True)
+    model = tiny_model("llama", seed=2)
+    steps = rotate + [{"smooth_output": {"grid": 4}}, {"reorder": {}}]
+    result = quantize_model(model, _transform_recipe(steps), tokens, transform_only=True)
+    up = [layer.mlp.up_proj.weight for layer in rotated.model.layers]
+    assert all(torch.equal(layer.mlp.up_proj.weight, w) for layer, w in zip(model.model.layers, up))
+    assert sum("down_proj left alone" in line for line in result.step_log) == 2 * len(up)
+
+
+def test_down_rotation_refuses_an_intermediate_size_without_hadamard():
+    model = tiny_model("llama", seed=2)
+    model.config.intermediate_size = 100  # checked before any weight changes
+    with pytest.raises(UserError, match="intermediate size 100"):
+        quantize_model(model, _transform_recipe([{"rotate": {"down_hadamard": True}}]), torch.zeros(1, 8, dtype=torch.long),
+                       transform_only=True)
+
+
 def _transform_recipe(steps):
     return recipe_from_dict({
         "name": "transforms-only",
@@ -41,7 +78,7 @@ def _transform_recipe(steps):
 
 
 ALL_STEPS = [
-    {"rotate": {"value_hadamard": True, "key_hadamard": True}},
+    {"rotate": {"value_hadamard": True, "key_hadamard": True, "down_hadamard": True}},
     {"smooth_attention": {"alpha": 0.5}},
     {"smooth_output": {"grid": 4}},
     {"reorder": {}},

@@ -70,6 +70,7 @@ class ModelAdapter:
         self.num_kv_heads: int = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_layers: int = cfg.num_hidden_layers
+        self.intermediate_size: int = cfg.intermediate_size
 
     # -- whole-model pieces -------------------------------------------------------------
     @property

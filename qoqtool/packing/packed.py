@@ -38,10 +38,10 @@ from qoqtool.quantizers.outliers import OutlierBudget, SparseOutliers
 from qoqtool.runtime.packed_linear import TILE_COO_BUFFERS, PackedLinear
 
 FORMAT = "qoqtool-packed"
-# 2: fp16 outliers in Tile-COO; 3: attention key shifts (docs/format.md, section 8). Versions 1-2
-# are still read.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 2: fp16 outliers in Tile-COO; 3: attention key shifts; 4: down_proj weights that may include
+# an online input rotation (docs/format.md, section 8). Versions 1-3 are still read.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 WEIGHTS_FILE = "model.safetensors"
 STATS_FILE = quantized.STATS_FILE
 # Every tensor that is not a packed weight parameter is deployed in fp16 (see fp16_rounded).
@@ -296,6 +296,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
     from transformers import AutoConfig
 
     from qoqtool.runtime.attention import configure_attention, prepare_attention
+    from qoqtool.runtime.mlp import configure_mlp
     from qoqtool.runtime.loading import build_empty_model, finish_loading
 
     path = Path(path)
@@ -325,6 +326,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
         _check_tile_coo(tensors, name, manifest["linears"][name], file)
     model = finish_loading(model, tensors, device)
     configure_attention(model, manifest["recipe"])
+    configure_mlp(model, manifest["recipe"])
     return model
 
 

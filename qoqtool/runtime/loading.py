@@ -64,6 +64,7 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
     from qoqtool.packing import quantized
     from qoqtool.packing.packed import fp16_rounded
     from qoqtool.runtime.attention import configure_attention, prepare_attention
+    from qoqtool.runtime.mlp import configure_mlp
     from qoqtool.runtime.reference import QuantLinear
 
     quantized.check_manifest(manifest, str(path))
@@ -83,6 +84,7 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
         setattr(parent, attr, QuantLinear(qweight, bias, act_bits, outliers=outliers.get(name)))
     model = finish_loading(model, tensors, device)
     configure_attention(model, manifest["recipe"])
+    configure_mlp(model, manifest["recipe"])
     return model
 
 

@@ -114,9 +114,9 @@ def decompose(n: int) -> list[int] | None:
     return None
 
 
-@functools.lru_cache(maxsize=32)
-def hadamard(n: int) -> torch.Tensor:
-    """A Hadamard matrix of order n (float64, entries +-1), or a UserError naming n."""
+def factors(n: int) -> list[torch.Tensor]:
+    """Hadamard matrices (float64, +-1) whose Kronecker product is `hadamard(n)`, or a
+    UserError naming n: Sylvester's 2^a first, then the Paley orders."""
     parts = decompose(n)
     if parts is None:
         raise UserError(
@@ -124,9 +124,13 @@ def hadamard(n: int) -> torch.Tensor:
             f"e.g. 12, 20, 28, 36, 44, 60); disable the rotate step for this model"
         )
     orders = _paley_orders(n)
-    h = _sylvester(parts[0])
-    for m in parts[1:]:
-        h = torch.kron(h, _build(m, orders[m]))
+    return [_sylvester(parts[0])] + [_build(m, orders[m]) for m in parts[1:]]
+
+
+@functools.lru_cache(maxsize=32)
+def hadamard(n: int) -> torch.Tensor:
+    """A Hadamard matrix of order n (float64, entries +-1), or a UserError naming n."""
+    h = functools.reduce(torch.kron, factors(n))
     # A cheap probe of H H^T = n I (the full product costs seconds at n = 4096).
     v = torch.randn(n, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     if not torch.allclose(h @ (h.t() @ v), n * v, rtol=1e-9, atol=1e-6):
@@ -134,8 +138,12 @@ def hadamard(n: int) -> torch.Tensor:
     return h
 
 
+def random_signs(n: int, seed: int = 0) -> torch.Tensor:
+    """The seeded +-1 column signs of random_hadamard(n, seed) (float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64) * 2 - 1
+
+
 def random_hadamard(n: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
     """An orthogonal n x n matrix H diag(s) / sqrt(n) with random signs s (seeded)."""
-    gen = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64) * 2 - 1
-    return (hadamard(n) * signs[None, :] / n**0.5).to(dtype)
+    return (hadamard(n) * random_signs(n, seed)[None, :] / n**0.5).to(dtype)

@@ -11,7 +11,9 @@ exact permutation folded into the weights on both sides - no gather at run time:
                        mixes tokens, never channels, so this commutes with it)
 
 The residual stream's channels (inputs of q/k/v and gate/up) are shared by every layer;
-after the block-input Hadamard rotation their magnitudes are flat, so they are left alone.
+after the block-input Hadamard rotation their magnitudes are flat, so they are left alone,
+and so are down_proj's when the rotate step rotates them online (down_hadamard): a
+permutation of the rotated channels could not be folded into gate/up.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from qoqtool.calibration.steps import register_step
+from qoqtool.runtime.mlp import has_down_rotation
 
 
 @dataclass
@@ -47,7 +50,9 @@ def salience_order(absmax: torch.Tensor) -> torch.Tensor:
 def run(ctx, params: ReorderParams) -> None:
     parts, adapter = ctx.parts, ctx.adapter
     cap = ctx.capture
-    if "down_proj" in params.linears:
+    if "down_proj" in params.linears and has_down_rotation(parts.mlp):
+        ctx.log.append(f"layer {ctx.index} reorder: down_proj left alone (its input is rotated online)")
+    elif "down_proj" in params.linears:
         perm = salience_order(cap.absmax["down_proj"]).to(parts.down_proj.weight.device)
         _permute_rows(parts.gate_proj, perm)
         _permute_rows(parts.up_proj, perm)

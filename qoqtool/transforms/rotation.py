@@ -21,6 +21,12 @@ rotated at run time by one Hadamard H (q H (k H)^T = q k^T, so this is exact too
 spreads K's outlier channels before the 4-bit cache, as QuaRot does; it is not part of
 QServe's QoQ, whose answer to K's outliers is SmoothAttention alone.
 
+With down_hadamard, down_proj's input is rotated at run time too (x' = x R, W <- W R;
+qoqtool.runtime.mlp): the MLP's product silu(gate) * up carries a Llama layer's largest
+activation outliers, and no weight can absorb a rotation of it. This is QuaRot's R4, not
+part of QServe's QoQ (which smooths down_proj through up_proj instead); with it, the
+smooth_output and reorder steps leave down_proj alone.
+
 Tied embeddings cannot stay tied (E and lm_head change differently): they are untied and
 the manifest says so.
 """
@@ -35,6 +41,7 @@ from qoqtool.calibration.steps import register_step
 from qoqtool.models.adapter import ModelAdapter
 from qoqtool.errors import UserError
 from qoqtool.runtime.attention import enable_key_rotation, key_rotation_seed
+from qoqtool.runtime.mlp import down_rotation_seed, enable_down_rotation
 from qoqtool.transforms.hadamard import decompose, random_hadamard
 
 
@@ -43,6 +50,7 @@ class RotateParams:
     seed: int = 0  # signs of the random Hadamard matrix
     value_hadamard: bool = True  # also rotate V per head (o_proj inputs rotated back)
     key_hadamard: bool = False  # also rotate post-RoPE Q and K per head, online (not in QServe)
+    down_hadamard: bool = False  # also rotate down_proj's input, online (not in QServe)
 
 
 def _set(linear, weight: torch.Tensor) -> None:
@@ -106,6 +114,11 @@ def check_sizes(adapter: ModelAdapter, params: RotateParams) -> None:
             f"this model's head_dim {adapter.head_dim} has no Hadamard rotation {hint}; "
             "set `rotate: {value_hadamard: false, key_hadamard: false}` in the recipe"
         )
+    if params.down_hadamard and decompose(adapter.intermediate_size) is None:
+        raise UserError(
+            f"this model's intermediate size {adapter.intermediate_size} has no Hadamard rotation {hint}; "
+            "set `rotate: {down_hadamard: false}` in the recipe"
+        )
 
 
 @torch.no_grad()
@@ -129,6 +142,13 @@ def rotate_model(adapter: ModelAdapter, params: RotateParams, notes: list[str]) 
     if params.key_hadamard:
         enable_key_rotation(adapter.model, adapter.head_dim, key_rotation_seed(params.seed))
         notes.append(f"rotate: post-RoPE queries and keys rotated online by a Hadamard of order {adapter.head_dim}")
+    if params.down_hadamard:
+        seed = down_rotation_seed(params.seed)
+        r = random_hadamard(adapter.intermediate_size, seed)
+        for i in range(adapter.num_layers):
+            _rotate_input(adapter.parts(i).down_proj, r)
+        enable_down_rotation(adapter.model, adapter.intermediate_size, seed)
+        notes.append(f"rotate: down_proj inputs rotated online by a Hadamard of order {adapter.intermediate_size}")
     notes.append(f"rotate: residual stream rotated by a random Hadamard of order {adapter.hidden_size} (seed {params.seed})")
 
 

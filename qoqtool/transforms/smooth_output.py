@@ -8,7 +8,9 @@ and fold 1/s into the layer that *produces* x, so nothing runs at inference time
     o_proj    through v_proj (attention output = convex combination of V rows, so scaling
               V's channels scales the output's); with GQA, s is shared by the query heads
               of a KV group, since they read the same V
-    down_proj through up_proj (x = silu(gate) * up is linear in up)
+    down_proj through up_proj (x = silu(gate) * up is linear in up), unless the rotate
+              step rotates down_proj's input online (down_hadamard): scales of the rotated
+              channels could not be folded into up_proj
 alpha is grid-searched (beta = 1 - alpha, SmoothQuant's form) on the linear's output error
 under the recipe's own weight and activation quantization, with "no smoothing" among the
 candidates, so on the calibration data it never makes the layer worse.
@@ -23,6 +25,7 @@ import torch
 from qoqtool.calibration.steps import register_step
 from qoqtool.quantizers.activations import fake_quantize_per_token
 from qoqtool.quantizers.schemes import WeightScheme
+from qoqtool.runtime.mlp import has_down_rotation
 
 
 @dataclass
@@ -86,7 +89,9 @@ def run(ctx, params: SmoothOutputParams) -> None:
         _scale_cols(parts.o_proj, expand(s))
         cap.scale_input("o_proj", 1.0 / expand(s))
         chosen.append(f"o_proj alpha={alpha:g}")
-    if "down_proj" in params.linears:
+    if "down_proj" in params.linears and has_down_rotation(parts.mlp):
+        chosen.append("down_proj left alone (its input is rotated online)")
+    elif "down_proj" in params.linears:
         w = parts.down_proj.weight.data.float()
         x_max = cap.absmax["down_proj"].to(w.device)
         s, alpha = search_scales(cap.samples["down_proj"].to(w.device), w, x_max, w.abs().amax(0), ctx.recipe, params.grid)
