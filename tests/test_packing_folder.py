@@ -211,6 +211,17 @@ def test_info_cli(tiny_folders, tmp_path, capsys):
     assert report["size"]["bits_per_stored_weight"] == pytest.approx(report["bits_per_stored_weight"])
 
 
+def test_json_on_stdout_is_the_json_alone(tiny_folders, capsys):
+    """`--json -`: stdout parses as JSON (the table goes to stderr); the next command's
+    table is back on stdout."""
+    _, pdir = tiny_folders["uint4-chn"]
+    code, out, err = cli(capsys, "info", str(pdir), "--json", "-")
+    assert code == 0, err
+    assert json.loads(out)["format"] == "qoqtool-packed" and "same model in fp16" in err
+    code, out, _ = cli(capsys, "info", str(pdir))
+    assert code == 0 and "same model in fp16" in out
+
+
 # -- bad input ------------------------------------------------------------------------------
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, copy_function=os.link)  # hard links: replace files, never edit them

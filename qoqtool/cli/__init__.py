@@ -51,9 +51,11 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors become one line and exit code 2."""
+    from qoqtool.cli import ui
     from qoqtool.cli.ui import err
 
     _quiet_libraries()
+    ui.reserve_stdout(None)
     try:
         app(args=argv, standalone_mode=False)
     except UserError as e:

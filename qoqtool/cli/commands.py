@@ -93,6 +93,7 @@ def quantize(
 
       qoqtool quantize smollm2-135m -r rtn-w4a16-g128 --calib wikitext2 --outliers 1% -o smol-rtn-1pct
     """
+    ui.reserve_stdout(json_out)
     from qoqtool.data.calibration import build_calibration, validate_args
     from qoqtool.packing import folder as fs
     from qoqtool.recipe import load_recipe
@@ -204,6 +205,7 @@ def evaluate(
 
       qoqtool eval smollm2-135m smol-qoq --tasks wikitext2 --max-windows 20
     """
+    ui.reserve_stdout(json_out)
     from qoqtool.eval.runner import run_eval
     from qoqtool.eval.tasks import EvalSettings, check_task_data, parse_tasks
 
@@ -278,6 +280,7 @@ def pack(
 
       qoqtool pack smol-rtn-w4a16 -o smol-rtn-w4a16-1pct --outliers 1%
     """
+    ui.reserve_stdout(json_out)
     from qoqtool.cli.info import print_size_report
     from qoqtool.packing.packed import pack_folder
 
@@ -300,6 +303,7 @@ def info(
 
       qoqtool info smol-qoq
     """
+    ui.reserve_stdout(json_out)
     from qoqtool.cli.info import folder_report, print_size_report
 
     report = folder_report(path)

@@ -11,9 +11,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-# Progress and messages go to stderr, results to stdout, so `--json -` stays clean.
+# Progress and messages go to stderr, result tables to stdout - or to stderr as well when
+# stdout carries the JSON (`--json -`, see reserve_stdout), so that it stays parseable.
 err = Console(stderr=True)
-out = Console()
+_stdout = Console()
+out = _stdout
+
+
+def reserve_stdout(json_target: str | None) -> None:
+    """Where this command's tables go: stdout, or stderr with `--json -` (main() calls it
+    with None before every command, and each command with --json with its target)."""
+    global out
+    out = err if json_target == "-" else _stdout
 
 
 @contextmanager
