@@ -62,6 +62,12 @@ class Recipe:
         return f"{self.weights.describe()}, A{self.act_bits}, {kv}"
 
 
+def saved_step(recipe: dict, name: str) -> dict | None:
+    """The parameters of step `name` in a recipe as a manifest saves it (`Recipe.to_dict`),
+    or None when the recipe has no such step."""
+    return next((step[name] for step in recipe.get("steps", []) if name in step), None)
+
+
 def recipes_dir() -> Path:
     return Path(str(importlib.resources.files("qoqtool.recipes")))
 

@@ -52,17 +52,16 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors become one line and exit code 2."""
     from qoqtool.cli import ui
-    from qoqtool.cli.ui import err
 
     _quiet_libraries()
     ui.reserve_stdout(None)
     try:
         app(args=argv, standalone_mode=False)
     except UserError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        ui.err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        err.print("interrupted; nothing was written")
+        ui.err.print("interrupted; nothing was written")
         sys.exit(130)
     except Exception as e:  # click's own usage errors carry their exit code
         for ex in _click_exception_modules():

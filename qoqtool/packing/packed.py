@@ -295,8 +295,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
     """
     from transformers import AutoConfig
 
-    from qoqtool.runtime.attention import configure_attention, prepare_attention
-    from qoqtool.runtime.mlp import configure_mlp
+    from qoqtool.runtime.attention import prepare_attention
     from qoqtool.runtime.loading import build_empty_model, finish_loading
 
     path = Path(path)
@@ -324,10 +323,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
             tensors[name] = t.to(dtype)
     for name in entries:
         _check_tile_coo(tensors, name, manifest["linears"][name], file)
-    model = finish_loading(model, tensors, device)
-    configure_attention(model, manifest["recipe"])
-    configure_mlp(model, manifest["recipe"])
-    return model
+    return finish_loading(model, tensors, device, manifest["recipe"])
 
 
 def _check_tile_coo(tensors: dict[str, torch.Tensor], name: str, meta: dict, file: Path) -> None:

@@ -7,7 +7,8 @@ Each attention module says how many KV bits it uses in its `qoq_kv_bits` attribu
 A recipe may also rotate the post-RoPE queries and keys of every head by a Hadamard matrix
 (`qoq_key_rotation`) and shift the keys by a calibrated per-channel vector (`qoq_key_shift`,
 the center_keys step; softmax does not see it) before they are quantized; `prepare_attention`
-and `configure_attention` set these up from a saved recipe.
+and `configure_attention` (run by runtime.loading.finish_loading) set these up from a saved
+recipe.
 
 Why re-quantizing the whole K/V on every call is exact: the quantization is per token, so
 quantizing [cache; new] equals [quantized cache; quantized new]. The transformers cache
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from qoqtool.quantizers.activations import fake_quantize_kv
+from qoqtool.recipe import saved_step
 
 ATTENTION_NAME = "qoqtool"
 KEY_SHIFT = "qoq_key_shift"  # the attention module's buffer of center_keys' shift
@@ -93,7 +95,7 @@ def prepare_attention(model, recipe: dict) -> None:
     """Before a saved model's tensors are loaded: the buffers its recipe adds (key shifts)."""
     from qoqtool.models.adapter import ModelAdapter
 
-    if any("center_keys" in step for step in recipe.get("steps", [])):
+    if saved_step(recipe, "center_keys") is not None:
         adapter = ModelAdapter(model)
         device = model.get_input_embeddings().weight.device  # meta while a saved model loads
         for module in attention_modules(model):
@@ -119,7 +121,7 @@ def configure_attention(model, recipe: dict) -> None:
     from qoqtool.models.adapter import ModelAdapter
 
     enable_kv_quantization(model, int(recipe["kv_cache"]["bits"]))
-    rotate = next((step["rotate"] for step in recipe.get("steps", []) if "rotate" in step), None)
+    rotate = saved_step(recipe, "rotate")
     if rotate and rotate.get("key_hadamard"):
         enable_key_rotation(model, ModelAdapter(model).head_dim, key_rotation_seed(rotate.get("seed", 0)))
 

@@ -40,8 +40,12 @@ def build_empty_model(config, dtype=torch.float32):
     return model
 
 
-def finish_loading(model, tensors: dict[str, torch.Tensor], device: str):
-    """Load the float tensors into a meta-built model and rebuild the rotary tables."""
+def finish_loading(model, tensors: dict[str, torch.Tensor], device: str, recipe: dict):
+    """Load the float tensors into a meta-built model, rebuild the rotary tables, and set up
+    what the saved recipe runs at inference time (KV-cache bits, online rotations)."""
+    from qoqtool.runtime.attention import configure_attention
+    from qoqtool.runtime.mlp import configure_mlp
+
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied:
@@ -55,6 +59,8 @@ def finish_loading(model, tensors: dict[str, torch.Tensor], device: str):
     rotary = model.model.rotary_emb
     model.model.rotary_emb = type(rotary)(config=model.config)
     model.eval().to(device)
+    configure_attention(model, recipe)
+    configure_mlp(model, recipe)
     return model
 
 
@@ -63,8 +69,7 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
 
     from qoqtool.packing import quantized
     from qoqtool.packing.packed import fp16_rounded
-    from qoqtool.runtime.attention import configure_attention, prepare_attention
-    from qoqtool.runtime.mlp import configure_mlp
+    from qoqtool.runtime.attention import prepare_attention
     from qoqtool.runtime.reference import QuantLinear
 
     quantized.check_manifest(manifest, str(path))
@@ -82,10 +87,7 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
         bias = tensors.get(f"{name}.bias")  # stays in `tensors`: load_state_dict assigns it
         act_bits = manifest["linears"][name]["act_bits"]
         setattr(parent, attr, QuantLinear(qweight, bias, act_bits, outliers=outliers.get(name)))
-    model = finish_loading(model, tensors, device)
-    configure_attention(model, manifest["recipe"])
-    configure_mlp(model, manifest["recipe"])
-    return model
+    return finish_loading(model, tensors, device, manifest["recipe"])
 
 
 def load_any(spec: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:

@@ -20,6 +20,7 @@ import types
 import torch
 from torch import nn
 
+from qoqtool.recipe import saved_step
 from qoqtool.transforms.hadamard import factors, random_signs
 
 ROTATION = "qoq_down_rotation"  # the MLP's submodule
@@ -32,7 +33,6 @@ class KroneckerRotation(nn.Module):
 
     def __init__(self, n: int, seed: int):
         super().__init__()
-        self.n = n
         self.shapes = []
         for i, f in enumerate(factors(n)):
             self.register_buffer(f"factor{i}", (f / f.shape[0] ** 0.5).float(), persistent=False)
@@ -90,6 +90,6 @@ def configure_mlp(model, recipe: dict) -> None:
     """The MLP as a saved recipe (manifest form) runs it: the online down_proj rotation."""
     from qoqtool.models.adapter import ModelAdapter
 
-    rotate = next((step["rotate"] for step in recipe.get("steps", []) if "rotate" in step), None)
+    rotate = saved_step(recipe, "rotate")
     if rotate and rotate.get("down_hadamard"):
         enable_down_rotation(model, ModelAdapter(model).intermediate_size, down_rotation_seed(rotate.get("seed", 0)))
