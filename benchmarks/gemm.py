@@ -3,6 +3,8 @@
     python benchmarks/gemm.py [--quick] [--explore] [--json PATH]
     python benchmarks/gemm.py --explore-stream [GROUP] [--json PATH]   stream splits vs bf16
     python benchmarks/gemm.py --explore-wgmma [--json PATH]            wgmma choices, M = 64..512
+    python benchmarks/gemm.py --stage-ab [M,M,..] [--json PATH]        stream activations: global vs staged
+    python benchmarks/gemm.py --explore-wide [--json PATH]             16-warp stream CTAs vs the plan
 
 For M in {1, 16, 64, 256, 1024, 4096, 8192} x (N, K) in the five shapes of issue 4:
   w4a8 per-group (QoQ progressive, g128), w4a8 per-channel, w8a8 (ours),
@@ -174,31 +176,113 @@ SMALL_SHAPES = [(8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336)]  # (N,
 SMALL_MS = [1, 8, 16, 32]
 
 
-def explore_stream(g, group: int = GROUP) -> list[dict]:
-    """The stream kernel's split counts for M <= 32, both W4 kinds, with cuBLAS bf16 in the same
-    run: whether the plan's choice is the best one."""
+W4_OPS = {"per_group": "w4a8_gemm_per_group", "per_channel": "w4a8_gemm_per_channel"}
+
+
+def small_m_cases(g, ms=SMALL_MS):
+    """For the four small shapes x `ms`: (N, K, M, the activation operands of each W4 kind,
+    cuBLAS bf16 us in this run, the plan's choice)."""
     sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
-    op = {"per_group": torch.ops.qoqtool.w4a8_gemm_per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}
-    rows = []
     for n, k in SMALL_SHAPES:
-        for m in SMALL_MS:
+        for m in ms:
             x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
             x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
             acts = {"per_group": (x_q, x_scale), "per_channel": (x_q, x_scale, x_q.sum(1, dtype=torch.int32))}
-            bf16 = bf16_us(m, n, k, g)
-            auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
-            plans = [auto] + [cuda_ops.Plan(cuda_ops.STREAM, auto.tile, s) for s in (1, 2, 4, 8)]
-            for kind in op:
-                weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
-                for p in dict.fromkeys(plans):
-                    us = time_with_plan(p, [lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
-                    rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": p.tile, "splits": p.splits,
-                                 "plan": p.name(), "auto": p == auto, "us": us, "bf16_us": bf16})
-                    print(f"  {kind:11s} M={m:2d} {n}x{k} {p.name():26s} {us:7.2f} us  bf16 {bf16:7.2f}  "
-                          f"{bf16 / us:5.2f}x{'  <- plan' if p == auto else ''}", flush=True)
-                del weights
-                torch.cuda.empty_cache()
+            yield n, k, m, acts, bf16_us(m, n, k, g), cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
+
+
+def explore_stream(g, group: int = GROUP) -> list[dict]:
+    """The stream kernel's split counts for M <= 32, both W4 kinds, with cuBLAS bf16 in the same
+    run: whether the plan's choice is the best one."""
+    op = {kind: getattr(torch.ops.qoqtool, name) for kind, name in W4_OPS.items()}
+    rows = []
+    for n, k, m, acts, bf16, auto in small_m_cases(g):
+        plans = [auto] + [cuda_ops.Plan(cuda_ops.STREAM, auto.tile, s) for s in (1, 2, 4, 8)]
+        for kind in op:
+            weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
+            for p in dict.fromkeys(plans):
+                us = time_with_plan(p, [lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
+                rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": p.tile, "splits": p.splits,
+                             "plan": p.name(), "auto": p == auto, "us": us, "bf16_us": bf16})
+                print(f"  {kind:11s} M={m:2d} {n}x{k} {p.name():26s} {us:7.2f} us  bf16 {bf16:7.2f}  "
+                      f"{bf16 / us:5.2f}x{'  <- plan' if p == auto else ''}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
     return rows
+
+
+def mode_ab(g, modes: dict, ms=SMALL_MS, group: int = GROUP) -> tuple[list[dict], list[str]]:
+    """The stream kernel under each of `modes` ({name: function that sets it}, the first the
+    baseline; each mode is left set after its timing, so the last should restore the
+    default), for every split count in {1, 2, 3, 4, 6, 8} and the plan's, for each M of `ms`
+    on four shapes, both W4 kinds: the modes timed back to back for each choice, cuBLAS bf16
+    in the same run. Where the plan picks another kernel (wgmma at M > 32, a 16-warp stream shape),
+    it is timed once as the plan."""
+    op = {kind: getattr(torch.ops.qoqtool, name) for kind, name in W4_OPS.items()}
+    names = list(modes)
+    rows, table = [], [f"us: the plan under {names[0]}, the best over splits [splits] per mode; x = bf16 / us",
+                       f"{'kind':11s} {'M':>2} {'N x K':>11} | {'bf16':>6} | {'plan':>14} | "
+                       + " | ".join(f"{n + ' best':>17}" for n in names) + f" | plan / best {names[-1]}"]
+    for n, k, m, acts, bf16, auto in small_m_cases(g, ms):
+        for kind in op:
+            weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
+            calls = [lambda w=w: op[kind](*acts[kind], *w, n) for w in weights]
+            best, plan_us = {}, None
+            if auto.kernel != cuda_ops.STREAM:
+                modes[names[0]]()
+                plan_us = time_calls(calls)
+            for splits in sorted({1, 2, 3, 4, 6, 8} | ({auto.splits} if auto.kernel == cuda_ops.STREAM else set())):
+                for mode in names:
+                    modes[mode]()
+                    us = time_with_plan(cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits), calls)
+                    is_plan = auto == cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits)
+                    rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": cuda_ops.stream_tile(m),
+                                 "splits": splits, "mode": mode, "us": us, "bf16_us": bf16, "plan": is_plan})
+                    if mode not in best or us < best[mode][0]:
+                        best[mode] = (us, splits)
+                    if mode == names[0] and is_plan:
+                        plan_us = us
+            if auto.kernel != cuda_ops.STREAM:
+                rows.append({"kind": kind, "M": m, "N": n, "K": k, "plan_name": auto.name(), "us": plan_us,
+                             "bf16_us": bf16, "plan": True, "mode": "plan"})
+            cells = [f"{plan_us:6.2f} ({bf16 / plan_us:.2f}x)"] + [
+                f"{best[md][0]:6.2f} [{best[md][1]}] {bf16 / best[md][0]:.2f}x" for md in names]
+            table.append(f"{kind:11s} {m:2d} {n:>5}x{k:<5} | {bf16:6.2f} | " + " | ".join(cells)
+                         + f" | {plan_us / best[names[-1]][0]:.3f}")
+            print(table[-1], flush=True)
+            del weights, calls
+            torch.cuda.empty_cache()
+    return rows, table
+
+
+def explore_wide(g, ms=(1, 8, 16)) -> tuple[list[dict], list[str]]:
+    """The stream kernel's 16-warp CTA shapes (1 x 16 and 2 x 8 row tiles x k-slices, one CTA
+    per SM) with 1, 2 or 4 K splits against the plan (8-warp CTAs, two per SM, its splits),
+    for M in `ms` on four shapes, both W4 kinds; cuBLAS bf16 in the same run."""
+    op = {kind: getattr(torch.ops.qoqtool, name) for kind, name in W4_OPS.items()}
+    rows, table = [], ["us (x bf16): the plan; the best 16-warp shape [kernel, splits]",
+                       f"{'kind':11s} {'M':>2} {'N x K':>11} | {'bf16':>6} | {'plan':>26} | {'best 16-warp':>30} | plan / best"]
+    for n, k, m, acts, bf16, auto in small_m_cases(g, ms):
+        for kind in op:
+            weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
+            calls = [lambda w=w: op[kind](*acts[kind], *w, n) for w in weights]
+            plan_us = time_calls(calls)
+            best = None
+            for kernel in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8):
+                for splits in (1, 2, 4):
+                    p = cuda_ops.Plan(kernel, cuda_ops.stream_tile(m), splits)
+                    us = time_with_plan(p, calls)
+                    rows.append({"kind": kind, "M": m, "N": n, "K": k, "plan": p.name(), "us": us, "bf16_us": bf16})
+                    if best is None or us < best[0]:
+                        best = (us, p.name())
+            rows.append({"kind": kind, "M": m, "N": n, "K": k, "plan": auto.name(), "us": plan_us, "bf16_us": bf16,
+                         "auto": True})
+            table.append(f"{kind:11s} {m:2d} {n:>5}x{k:<5} | {bf16:6.2f} | {auto.name():>18} {plan_us:6.2f} | "
+                         f"{best[1]:>22} {best[0]:6.2f} | {plan_us / best[0]:.3f}")
+            print(table[-1], flush=True)
+            del weights, calls
+            torch.cuda.empty_cache()
+    return rows, table
 
 
 def fixed_and_rate(g, n: int = 8192, ks=(2048, 4096, 8192, 16384, 32768)) -> list[str]:
@@ -408,6 +492,11 @@ def main() -> None:
                          "the stream kernel's split counts with group size GROUP, the line fit)")
     ap.add_argument("--explore-wgmma", action="store_true",
                     help="only the wgmma kernel's choices for M in {64..512} against bf16 and int_mm, and its fixed cost")
+    ap.add_argument("--stage-ab", nargs="?", const="1,8,16,32", default=None, metavar="M,M,...",
+                    help="only the stream kernel with activations from global memory against staged in shared memory, "
+                         "every split count, for these M (default 1,8,16,32) on four shapes")
+    ap.add_argument("--explore-wide", action="store_true",
+                    help="only the stream kernel's 16-warp CTA shapes against the plan at M in {1, 8, 16}")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -415,24 +504,29 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    if args.explore_wgmma:
-        rows, table = explore_wgmma(g)
+    def finish(table: list[str], **numbers) -> None:  # the studies below: their JSON, then their table
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "explore_wgmma": rows,
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **numbers,
                            "table": table}, f, indent=1)
         print("\n" + "\n".join(table))
-        return
+
+    if args.explore_wgmma:
+        rows, table = explore_wgmma(g)
+        return finish(table, explore_wgmma=rows)
+    if args.stage_ab:  # activations from global memory, then staged (the default)
+        modes = {"global": lambda: cuda_ops.set_stage_activations(False),
+                 "staged": lambda: cuda_ops.set_stage_activations(True)}
+        rows, table = mode_ab(g, modes, [int(v) for v in args.stage_ab.split(",")])
+        return finish(table, mode_ab=rows)
+    if args.explore_wide:
+        rows, table = explore_wide(g)
+        return finish(table, explore_wide=rows)
     if args.explore_stream:
         ab = dependent_launch_ab(g) + [""] + decode_chain(g)
         rows = explore_stream(g, args.explore_stream)
         table = ab + [""] + summarize_stream(rows) + [""] + fixed_and_rate(g)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "group": args.explore_stream,
-                           "explore_stream": rows, "table": table}, f, indent=1)
-        print("\n" + "\n".join(table))
-        return
+        return finish(table, group=args.explore_stream, explore_stream=rows)
     shapes, ms = (SHAPES[::3], [1, 16, 256, 4096]) if args.quick else (SHAPES, MS)
     rows = []
     for n, k in shapes:

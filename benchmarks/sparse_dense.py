@@ -41,7 +41,7 @@ from gemm import GROUP, copies_for, w4_operands
 from triton.testing import do_bench
 
 from qoqtool.packing import tile_coo
-from qoqtool.runtime import cuda_ops  # noqa: F401 - registers the torch.ops.qoqtool ops
+from qoqtool.runtime import cuda_ops  # also registers the torch.ops.qoqtool ops
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 5120), (13824, 5120), (5120, 13824)]  # (N, K)
 MS = [1, 8, 16, 32, 64]
@@ -281,12 +281,16 @@ def main() -> None:
     ap.add_argument("--targets", action="store_true", help="the issue's target points only: 6 shapes, M in {8, 16}, 0 and 1%%")
     ap.add_argument("--kind", choices=["per_group", "per_channel", "w4a16"], default="per_group",
                     help="W4A8 progressive g128 or per-channel, or W4A16 with fp16 group-128 scales")
+    ap.add_argument("--global-activations", action="store_true",
+                    help="the W4A8 stream kernels load their activations from global memory instead of staging them "
+                         "in shared memory (cuda_ops.set_stage_activations(False))")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/sparse_dense.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
+    cuda_ops.set_stage_activations(not args.global_activations)
     global SPMM_DTYPE
     SPMM_DTYPE = choose_spmm_dtype()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  kind {args.kind}  "
@@ -305,7 +309,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kind": args.kind,
-                       "spmm_dtype": str(SPMM_DTYPE),
+                       "staged_activations": not args.global_activations, "spmm_dtype": str(SPMM_DTYPE),
                        "rows": rows, "summary": summary}, f, indent=1)
     print("\n" + "\n".join(summary))
 

@@ -120,7 +120,15 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// The same through L1 (.ca): for bytes other warps of the CTA copy too (activations).
+__device__ __forceinline__ void cp_async_16_ca(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Every cp.async of this thread has landed; a compiler barrier too, so that plain loads of
+// the copied bytes are not moved above it.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -213,6 +221,18 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c
       : "memory");
 }
 #endif
+
+// The GPU-wide nanosecond timer and this thread's multiprocessor (diagnostic timelines).
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
+  return id;
+}
 
 // Programmatic dependent launch (sm_90; no-ops elsewhere). A kernel launched with
 // launch_maybe_pdl may start while the previous kernel in its stream still runs, once that

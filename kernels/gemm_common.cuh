@@ -38,7 +38,20 @@ struct Params {
   const int32_t* tc_count;  // [NT, NBk] entries of that bucket
   float* sparse_workspace;  // [splits, M, NT*32] fp32 outlier partial sums (splits > 1)
   int NBk;                  // ceil(Kp / 64) buckets along K
+  // Diagnostics (stream kernel; benchmarks/gemm_timeline.py): when set, thread 0 of each CTA
+  // writes kTraceWords words at trace[cta * kTraceWords] (TraceStamp).
+  unsigned long long* trace;
 };
+
+// The stamps of a CTA's timeline (global timer, ns), then its multiprocessor and whether it
+// ran the epilogue.
+enum TraceStamp : int { kEntry, kWaited, kFirstChunk, kLoopDone, kSlicesReduced, kSplitsReduced, kStored, kWhere, kTraceWords };
+__device__ __forceinline__ void trace_stamp(const Params& p, int stamp) {
+  if (p.trace != nullptr && threadIdx.x == 0) {
+    const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    p.trace[cta * kTraceWords + stamp] = global_timer_ns();
+  }
+}
 
 // What every entry point sets alike: the activations, the shape, split-K and its buffers.
 inline Params base_params(const int8_t* x, const __half* x_scale, const uint8_t* qweight, const __half* scale,
@@ -130,6 +143,38 @@ struct Fragment {
 // Epilogue and split-K
 // ---------------------------------------------------------------------------------------
 
+__device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
+  return static_cast<uint32_t>(__half_as_ushort(lo)) | static_cast<uint32_t>(__half_as_ushort(hi)) << 16;
+}
+
+__device__ __forceinline__ void add4(int4& a, const int4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
+}
+
+// out[n0 .. n0 + 3] of one output row: one 16-byte (INT32) or 8-byte (fp16) store when
+// `whole` (all four inside N and the row aligned), else one store per row inside N.
+__device__ __forceinline__ void store_row4(int32_t* out, const int (&a)[4], int n0, int N, bool whole) {
+  if (whole) {
+    *reinterpret_cast<int4*>(out) = make_int4(a[0], a[1], a[2], a[3]);
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      if (n0 + r < N) out[r] = a[r];
+  }
+}
+__device__ __forceinline__ void store_row4(__half* out, const __half (&y)[4], int n0, int N, bool whole) {
+  if (whole) {
+    *reinterpret_cast<uint2*>(out) = make_uint2(pack_half2(y[0], y[1]), pack_half2(y[2], y[3]));
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      if (n0 + r < N) out[r] = y[r];
+  }
+}
+
 // Items [split_begin(n, z), split_begin(n, z + 1)) of n belong to split z (k-tiles in the
 // stream kernel, 4-k-tile pipeline stages in the wgmma kernel).
 __device__ __forceinline__ int split_begin(int n, int z, int splits) {
@@ -142,38 +187,6 @@ template <Kind K>
 __device__ __forceinline__ float dense_value(int acc, float sx, float sw) {
   // UInt4Weight.linear_int8 scales by the weight first, the others by the token first.
   return K == Kind::kUInt4Channel ? (static_cast<float>(acc) * sw) * sx : (static_cast<float>(acc) * sx) * sw;
-}
-
-template <Kind K>
-__device__ __forceinline__ float dense_result(const Params& p, int m, int n, int acc) {
-  return dense_value<K>(acc, __half2float(p.x_scale[m]), __half2float(p.scale[n]));
-}
-
-template <Kind K>
-__device__ __forceinline__ void store_result(const Params& p, int m, int n, int acc) {
-  if (m >= p.M || n >= p.N) return;
-  if constexpr (K == Kind::kUInt4Channel) acc -= static_cast<int>(p.zero[n]) * p.x_rowsum[m];
-  const size_t at = static_cast<size_t>(m) * p.N + n;
-  if (p.out_i32) {
-    static_cast<int32_t*>(p.out)[at] = acc;
-    return;
-  }
-  static_cast<__half*>(p.out)[at] = __float2half_rn(dense_result<K>(p, m, n, acc));
-}
-
-// The same with the outliers' fp32 sum `sparse` = sum_k S[n, k] * xq[m, k] (docs/tile-coo.md,
-// section 1): the reference path (QuantLinear.forward) computes
-//     y = linear_int8(xq, sx) + (S xq^T)^T * sx
-//       = (acc * sx) * s0 + sparse * sx                       progressive
-//       = ((acc - z * rowsum(xq)) * s) * sx + sparse * sx     uint4 per channel
-// i.e. y = sx * (sw * acc + sparse): the token scale once per term, in fp32, one fp16
-// rounding at the end. (No INT32 output: the sparse sum is not an integer.)
-template <Kind K>
-__device__ __forceinline__ void store_result_with_outliers(const Params& p, int m, int n, int acc, float sparse) {
-  if (m >= p.M || n >= p.N) return;
-  if constexpr (K == Kind::kUInt4Channel) acc -= static_cast<int>(p.zero[n]) * p.x_rowsum[m];
-  const float y = dense_result<K>(p, m, n, acc) + sparse * __half2float(p.x_scale[m]);
-  static_cast<__half*>(p.out)[static_cast<size_t>(m) * p.N + n] = __float2half_rn(y);
 }
 
 // After this CTA has written its split's partials: counts it in, and returns true in the last
@@ -194,10 +207,11 @@ __device__ __forceinline__ bool arrive_last_split(const Params& p) {
   return true;
 }
 
-// Split-K across CTAs. `visit(f)` calls f(m, n, int& acc) for every accumulator this thread
-// holds (threads holding none call nothing); the fused sparse-dense kernel's visit calls
-// f(m, n, int& acc, float& sparse), and the fp32 outlier partials travel through
-// p.sparse_workspace beside the INT32 ones (`sparse...` is empty for the dense kernels).
+// Split-K across CTAs for the W4A16 kernels, where each accumulator stays in its register
+// (the W4A8 kernels stage their tiles instead: stream_epilogue, wgmma_epilogue). `visit(f)`
+// calls f(m, n, int& acc, float&... sums) for every accumulator this thread holds (threads
+// holding none call nothing); the fp32 sums travel through p.sparse_workspace beside the
+// INT32 ones.
 // Every thread of the CTA must call this. Returns true in the CTA that must run the
 // epilogue: the only one when splits == 1, otherwise the last split to arrive, with the
 // other splits' partials added to its own.

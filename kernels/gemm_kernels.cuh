@@ -12,7 +12,8 @@
 //   stream_kernel (mma.sync, sm_80 and sm_90a) - decode-sized M. A memory-bound weight
 //     stream: each warp loads its lanes' 16-byte fragments global -> registers with
 //     L1-bypassing 128-bit loads, U k-tiles in flight at once; activations (small, shared by
-//     every row tile) come through L1 as the 32-bit B fragments; the warps of a CTA split K
+//     every row tile) come through L1, copied per chunk into a per-warp shared-memory buffer
+//     from M = 8 (as 32-bit B fragments straight from global memory below); the warps of a CTA split K
 //     and reduce in shared memory; CTAs split K too when the grid would not fill the GPU.
 //     QoQ's per-group level is applied to partial sums, once per group (fold_group), not to
 //     every weight; the kernel goes out as a programmatic dependent launch (dependent_launch).
@@ -50,7 +51,10 @@ namespace qoq::gemm {
 // Launchers
 // ---------------------------------------------------------------------------------------
 
-enum class KernelId : int { kStream = 0, kWgmma = 1 };
+// kStream: the stream kernel with 8 warps per CTA (2 row tiles x 4 k-slices), two CTAs per SM;
+// kStream1x16 / kStream2x8: 16 warps per CTA (1 x 16, 2 x 8), one CTA per SM - for decode
+// shapes whose row tiles alone fill the GPU, so that K needs no split across CTAs.
+enum class KernelId : int { kStream = 0, kWgmma = 1, kStream1x16 = 2, kStream2x8 = 3 };
 
 // Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
 // (on by default; qoq_gemm_set_dependent_launch): their CTAs start while the previous kernel
@@ -62,6 +66,26 @@ inline bool& dependent_launch() {
   return enabled;
 }
 
+// Whether the dense stream kernel copies each chunk's activations into shared memory with
+// 16-byte cp.async (STAGE, at M >= kStageMinM) instead of loading its B fragments straight
+// from global memory (on by default; qoq_gemm_set_stage_activations turns it off for
+// benchmarks). The fused sparse-dense kernel never stages: its outlier work, not the
+// activation loads, limits it.
+// Measured on the H200 (benchmarks/gemm.py --stage-ab): 1.15-1.6x faster at M = 16 and 32,
+// 0.98-1.07x at M = 8, 0.93-1.0x at M = 2 and 4, where the fragment loads touch few rows.
+inline bool& stage_activations() {
+  static bool enabled = true;
+  return enabled;
+}
+constexpr int kStageMinM = 8;
+
+// Where the stream kernel writes its CTAs' timelines (Params::trace; null: nowhere; set by
+// qoq_gemm_set_trace for benchmarks/gemm_timeline.py).
+inline unsigned long long*& trace_buffer() {
+  static unsigned long long* buffer = nullptr;
+  return buffer;
+}
+
 // Stream-kernel shapes by tokens per CTA (8*NB): RT row tiles x WK k-slices = 8 warps;
 // U k-tiles in flight per warp, fewer when the accumulators grow.
 // OUTLIERS: chunks of 4 k-tiles (2 buckets; 8 KB of bucket tiles per warp, 64 KB per CTA) keep
@@ -71,30 +95,39 @@ inline bool& dependent_launch() {
 // parameter words fit beside the partial sums.
 // (Measured on the H200 and not kept: two chunks in registers, the next one's loads in flight
 // while one multiplies, with U or U / 2 k-tiles - within +-5% of this, better or worse by shape.)
-template <Kind K, int NB, bool OUTLIERS, int GKc>
+template <Kind K, int NB, bool OUTLIERS, int GKc, int RT = 2, int WK = 4>
 cudaError_t launch_stream_shape(const Params& p, cudaStream_t stream) {
-  constexpr int RT = 2, WK = 4;
   constexpr int U0 = OUTLIERS ? (NB == 8 ? 2 : 4) : (NB <= 2 ? 8 : (NB == 4 ? 4 : 2));
   constexpr int U = K == Kind::kProgressive && GKc == 1 && NB == 2 ? U0 / 2 : U0;
   constexpr int G = GKc < U ? GKc : U;
-  constexpr int MIN_BLOCKS = NB <= (OUTLIERS ? 2 : 4) ? 2 : 1;
-  constexpr int kSmem = OUTLIERS ? RT * WK * (U / 2) * kBucketTileBytes : 0;
-  const auto kernel = stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS, OUTLIERS, G>;
-  // (Static + dynamic shared memory above 48 KB needs the opt-in, whatever the split.)
-  if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  constexpr int MIN_BLOCKS = RT * WK > 8 ? 1 : (NB <= (OUTLIERS ? 2 : 4) ? 2 : 1);
   const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);
-  return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), p);
+  auto go = [&](auto stage) {
+    constexpr bool STAGE = decltype(stage)::value;
+    constexpr int kSmem = kStreamSmemBytes<NB, RT, WK, U, OUTLIERS, STAGE>;
+    const auto kernel = stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS, OUTLIERS, G, STAGE>;
+    // (Static + dynamic shared memory above 48 KB needs the opt-in, whatever the split.)
+    if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    Params q = p;
+    q.trace = trace_buffer();
+    return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), q);
+  };
+  if constexpr (OUTLIERS) {
+    return go(std::false_type{});  // (staged, the fused kernel was 8% slower at M = 8 and level at M = 16)
+  } else {
+    return stage_activations() && p.M >= kStageMinM ? go(std::true_type{}) : go(std::false_type{});
+  }
 }
 
-template <Kind K, int NB, bool OUTLIERS = false>
+template <Kind K, int NB, bool OUTLIERS = false, int RT = 2, int WK = 4>
 cudaError_t launch_stream(const Params& p, cudaStream_t stream) {
   if constexpr (K != Kind::kProgressive || NB > 2) {  // no group fold (see stream_kernel): GKc = 1
-    return launch_stream_shape<K, NB, OUTLIERS, 1>(p, stream);
+    return launch_stream_shape<K, NB, OUTLIERS, 1, RT, WK>(p, stream);
   } else {
     switch (p.group_shift) {  // k-tiles per group: 1, 2, 4 or more (folded every 4)
-      case 0: return launch_stream_shape<K, NB, OUTLIERS, 1>(p, stream);
-      case 1: return launch_stream_shape<K, NB, OUTLIERS, 2>(p, stream);
-      default: return launch_stream_shape<K, NB, OUTLIERS, 4>(p, stream);
+      case 0: return launch_stream_shape<K, NB, OUTLIERS, 1, RT, WK>(p, stream);
+      case 1: return launch_stream_shape<K, NB, OUTLIERS, 2, RT, WK>(p, stream);
+      default: return launch_stream_shape<K, NB, OUTLIERS, 4, RT, WK>(p, stream);
     }
   }
 }
@@ -156,7 +189,7 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
 }
 
 // kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),
-// wgmma with WGS = tile (1, 2).
+// wgmma with WGS = tile (1, 2), the 16-warp stream shapes with NB = tile (1, 2).
 template <Kind K>
 cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
@@ -172,6 +205,16 @@ cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
     switch (tile) {
       case 1: return launch_wgmma<K, 1>(p, stream);
       case 2: return launch_wgmma<K, 2>(p, stream);
+    }
+  } else if (kernel == static_cast<int>(KernelId::kStream1x16)) {
+    switch (tile) {
+      case 1: return launch_stream<K, 1, false, 1, 16>(p, stream);
+      case 2: return launch_stream<K, 2, false, 1, 16>(p, stream);
+    }
+  } else if (kernel == static_cast<int>(KernelId::kStream2x8)) {
+    switch (tile) {
+      case 1: return launch_stream<K, 1, false, 2, 8>(p, stream);
+      case 2: return launch_stream<K, 2, false, 2, 8>(p, stream);
     }
   }
   return cudaErrorInvalidValue;

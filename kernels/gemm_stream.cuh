@@ -31,7 +31,7 @@ namespace qoq::gemm {
 //    permuted (logical_k) so that the s8 fragment a lane holds is exactly its fp16 fragment;
 //  * the fp32 sums land in registers laid out like the INT32 accumulators (the two mma's C
 //    fragments agree), travel through the k-slice reduction and split-K beside them, and the
-//    epilogue applies sx once: y = sx * (sw * acc + sparse) (store_result_with_outliers);
+//    epilogue applies sx once: y = sx * (sw * acc + sparse) (stream_epilogue);
 //  * the lanes write zeros back where they scattered, so the tile is zero for the next chunk.
 // Cost per bucket and warp: ~2 scattered stores per entry, 8 ldmatrix, 4 x 2NB conversions
 // and 8 NB fp16 mma - independent of how the outliers are spread, with no atomics (the first
@@ -232,15 +232,145 @@ struct StreamThread {
   }
 };
 
+// The stream kernel's epilogue, through shared memory like wgmma_epilogue. After the
+// k-slice reduction the k-slice-0 warps hold the CTA's sums, four registers per lane
+// scattered over the tile; stored where they lie (as the W4A16 kernel still does through
+// reduce_splits), the last split of a tile read the other splits' partials one split after
+// another, each a round trip to L2: at 4 splits the slowest CTAs spent 3.2-3.7 us from the
+// k-slice reduction to the end of split-K, 1.5 us now (benchmarks/gemm_timeline.py, 4096^2,
+// M = 1 and 16), and the next kernel waits for the slowest. Staged as a
+// [8 NB tokens] x [RT * 32 rows] tile, each thread of the CTA owns instead vectors of 4
+// consecutive rows of one token: its split-K partials move as 16-byte stores and loads, every
+// other split's in flight at once, and the outputs go out as 8-byte stores.
+template <int NB, int RT>
+struct StreamStaging {
+  static constexpr int kRows = RT * 32;
+  static constexpr int kPitch = kRows + 4;       // words per token: +4 puts the staging stores on 32 banks
+  static constexpr int kVectors = 8 * NB * kRows / 4;
+  static constexpr int kWords = 8 * NB * kPitch;  // one tile (the outliers' fp32 sums: a second one)
+};
+
+// Returns whether this CTA ran the epilogue (the last split of its tile to arrive).
+template <Kind K, int NB, int RT, int WK, bool OUTLIERS>
+__device__ __forceinline__ bool stream_epilogue(const Params& p, const int (&acc)[2][NB][4], const float (&sparse)[2][NB][4],
+                                                int* tile, bool holds, int rt, int lane) {
+  using T = StreamStaging<NB, RT>;
+  constexpr int kThreads = RT * WK * kWarp, kMaxSplits = 8;
+  float* sparse_tile = reinterpret_cast<float*>(tile + T::kWords);
+  if (holds) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int at = (8 * nb + 2 * t + (r & 1)) * T::kPitch + 32 * rt + 16 * blk + g + 8 * (r >> 1);
+          tile[at] = acc[blk][nb][r];
+          if constexpr (OUTLIERS) sparse_tile[at] = sparse[blk][nb][r];
+        }
+  }
+  __syncthreads();
+
+  const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;  // workspace [split][M][NT*32]
+  const int m0 = blockIdx.y * 8 * NB, n_base = blockIdx.x * RT * 32;
+  if (p.splits > 1) {
+    for (int v = threadIdx.x; v < T::kVectors; v += kThreads) {
+      const int j = v / (T::kRows / 4), n0 = n_base + 4 * (v % (T::kRows / 4));
+      if (m0 + j >= p.M || n0 >= static_cast<int>(ld)) continue;
+      const size_t at = blockIdx.z * slice + (m0 + j) * ld + n0;
+      *reinterpret_cast<int4*>(p.workspace + at) = *reinterpret_cast<const int4*>(tile + j * T::kPitch + n0 - n_base);
+      if constexpr (OUTLIERS)
+        *reinterpret_cast<float4*>(p.sparse_workspace + at) = *reinterpret_cast<const float4*>(sparse_tile + j * T::kPitch + n0 - n_base);
+    }
+    const bool last = arrive_last_split(p);
+    trace_stamp(p, kSplitsReduced);
+    if (!last) return false;
+  } else {
+    trace_stamp(p, kSplitsReduced);
+  }
+
+  const bool whole = p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+  for (int v = threadIdx.x; v < T::kVectors; v += kThreads) {
+    const int j = v / (T::kRows / 4), m = m0 + j, n0 = n_base + 4 * (v % (T::kRows / 4));
+    if (m >= p.M || n0 >= p.N) continue;
+    int4 sum = *reinterpret_cast<const int4*>(tile + j * T::kPitch + n0 - n_base);
+    float4 sp = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (OUTLIERS) sp = *reinterpret_cast<const float4*>(sparse_tile + j * T::kPitch + n0 - n_base);
+    if (p.splits > 1) {  // every other split's partials in flight at once (through L2: L1 is not coherent)
+      int4 w[kMaxSplits];
+      float4 f[kMaxSplits];
+#pragma unroll
+      for (int z = 0; z < kMaxSplits; ++z) {
+        const bool other = z < p.splits && z != static_cast<int>(blockIdx.z);
+        const size_t at = z * slice + m * ld + n0;
+        w[z] = other ? __ldcg(reinterpret_cast<const int4*>(p.workspace + at)) : make_int4(0, 0, 0, 0);
+        if constexpr (OUTLIERS) f[z] = other ? __ldcg(reinterpret_cast<const float4*>(p.sparse_workspace + at)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      for (int z = kMaxSplits; z < p.splits; ++z) {  // (the plan never splits more than 8 ways)
+        if (z == static_cast<int>(blockIdx.z)) continue;
+        const size_t at = z * slice + m * ld + n0;
+        add4(sum, __ldcg(reinterpret_cast<const int4*>(p.workspace + at)));
+        if constexpr (OUTLIERS) {
+          const float4 e = __ldcg(reinterpret_cast<const float4*>(p.sparse_workspace + at));
+          sp.x += e.x, sp.y += e.y, sp.z += e.z, sp.w += e.w;
+        }
+      }
+#pragma unroll
+      for (int z = 0; z < kMaxSplits; ++z) {
+        add4(sum, w[z]);
+        if constexpr (OUTLIERS) sp.x += f[z].x, sp.y += f[z].y, sp.z += f[z].z, sp.w += f[z].w;
+      }
+    }
+    int a[4] = {sum.x, sum.y, sum.z, sum.w};
+    const float sps[4] = {sp.x, sp.y, sp.z, sp.w};
+    const size_t at = static_cast<size_t>(m) * p.N + n0;
+    if (p.out_i32) {  // (never with outliers)
+      if constexpr (K == Kind::kUInt4Channel) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] -= (n0 + r < p.N ? static_cast<int>(p.zero[n0 + r]) : 0) * p.x_rowsum[m];
+      }
+      store_row4(static_cast<int32_t*>(p.out) + at, a, n0, p.N, whole);
+      continue;
+    }
+    // With outliers, `sp` = sum_k S[n, k] * xq[m, k] (docs/tile-coo.md, section 1) and the
+    // reference path (QuantLinear.forward) computes y = linear_int8(xq, sx) + (S xq^T)^T * sx,
+    // i.e. y = sx * (sw * acc + sparse) (acc less z * rowsum(xq) per channel): the token scale
+    // once per term, in fp32, one fp16 rounding at the end.
+    const float sx = __half2float(p.x_scale[m]);
+    __half y[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const bool in = n0 + r < p.N;
+      if constexpr (K == Kind::kUInt4Channel) a[r] -= (in ? static_cast<int>(p.zero[n0 + r]) : 0) * p.x_rowsum[m];
+      const float dense = dense_value<K>(a[r], sx, in ? __half2float(p.scale[n0 + r]) : 0.f);
+      y[r] = __float2half_rn(OUTLIERS ? dense + sps[r] * sx : dense);
+    }
+    store_row4(static_cast<__half*>(p.out) + at, y, n0, p.N, whole);
+  }
+  return true;
+}
+
 // One warp's chunk of U consecutive k-tiles, as loaded: its lanes' weight fragments, the B
 // fragments of its NB token blocks and, progressive, the level-1 parameter words of each of
 // the chunk's F folds (F = U / GKc; see stream_kernel).
-template <Kind K, int NB, int U, int F>
+template <Kind K, int NB, int U, int F, bool STAGE>
 struct StreamChunk {
   uint4 w[U][kLaneBytes<K> / 16];
-  uint32_t b[U][NB][2];
+  uint32_t b[STAGE ? 1 : U][NB][2];  // STAGE: the activations are in shared memory instead
   uint32_t s1[F], zs1[F];
 };
+
+// Dynamic shared memory of a stream CTA: OUTLIERS, U / 2 bucket tiles per warp; then, STAGE,
+// each warp's activation buffer for one chunk: [8 NB tokens][U k-tiles x 32 bytes + 16]. The
+// 16-byte pad makes the pitch 4 words mod 32 banks, so the B-fragment reads (lane (g, t): token
+// g, word t of a k-tile half) hit 32 different banks.
+template <int U>
+constexpr int kActPitch = U * 32 + 16;
+template <int NB, int U>
+constexpr int kActWarpBytes = 8 * NB * kActPitch<U>;
+template <int NB, int RT, int WK, int U, bool OUTLIERS, bool STAGE>
+constexpr int kStreamSmemBytes = (OUTLIERS ? RT * WK * (U / 2) * kBucketTileBytes : 0) + (STAGE ? RT * WK * kActWarpBytes<NB, U> : 0);
 
 // The k-tile of slot u of a chunk starting at kt0: WHOLE chunks (kt0 + U <= kt_end, the steady
 // state) use kt0 + u, so that every address is one base plus an immediate; the tail re-loads
@@ -275,8 +405,9 @@ __device__ __forceinline__ void fold_group(int (&acc)[4], const int (&part)[4], 
   acc[3] += s1_hi * part[3] - zs_hi * xsum[3];
 }
 
-template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS = false, int GKc = 1>
+template <Kind K, int NB, int RT, int WK, int U, int MIN_BLOCKS, bool OUTLIERS = false, int GKc = 1, bool STAGE = false>
 __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const Params p) {
+  static_assert(!(OUTLIERS && STAGE), "the fused kernel loads its activations as B fragments");
   static_assert((WK & (WK - 1)) == 0, "the k-slice reduction is a tree");
   static_assert(!OUTLIERS || (U % 2 == 0 && U / 2 <= kWarp), "a chunk holds U / 2 whole buckets, one lookup lane each");
   constexpr bool kProgressive = K == Kind::kProgressive;
@@ -291,13 +422,20 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   constexpr int kFoldTiles = kProgressive ? GKc : 1, kBucketTiles = OUTLIERS ? 2 : 1;
   constexpr int kAlign = kFoldTiles > kBucketTiles ? kFoldTiles : kBucketTiles;
   const StreamThread<NB, RT, WK, kAlign> th(p);
-  const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;  // (lambdas below read th.kt_end)
+  const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;  // (lambdas below read th.*)
 
-  __shared__ int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
+  // The k-slice reduction's buffer, then (after its last barrier) the epilogue's tile.
+  constexpr int kRedWords = WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1;
+  constexpr int kTileWords = StreamStaging<NB, RT>::kWords * (OUTLIERS ? 2 : 1);
+  __shared__ __align__(16) int red[kRedWords > kTileWords ? kRedWords : kTileWords];
   extern __shared__ __align__(128) uint8_t stream_dynamic[];  // OUTLIERS: CB bucket tiles per warp
   const uint32_t scratch = smem_u32(stream_dynamic) + warp * CB * kBucketTileBytes;
   if constexpr (OUTLIERS) zero_shared(scratch, CB * kBucketTileBytes, lane);
+  // STAGE (dense only): this warp's activation buffer (kActWarpBytes).
+  const int act_offset = (OUTLIERS ? RT * WK * CB * kBucketTileBytes : 0) + warp * kActWarpBytes<NB, U>;
+  const uint8_t* act_tile = stream_dynamic + act_offset;
 
+  trace_stamp(p, kEntry);
   // The next kernel of the stream (if launched by launch_maybe_pdl) may start once every CTA
   // of this grid has come this far; its CTAs take the slots ours free.
   pdl_launch_dependents();
@@ -311,7 +449,7 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     for (int nb = 0; nb < NB; ++nb) xrow[nb] = p.x + static_cast<size_t>(min(m0 + 8 * nb + g, p.M - 1)) * p.Kp + 4 * t;
     const uint8_t* wrow = p.qweight + static_cast<size_t>(nt) * p.KT * 32 * kBytes + lane * kBytes;
     const size_t params_row = (static_cast<size_t>(nt) * p.groups) * 32 + 4 * g;  // progressive only
-    using Chunk = StreamChunk<K, NB, U, F>;
+    using Chunk = StreamChunk<K, NB, U, F, STAGE>;
 
     // Loads a chunk's weights and parameters (WEIGHTS: data no earlier kernel writes) or its
     // activations (!WEIGHTS).
@@ -323,7 +461,7 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
         if constexpr (kWeights) {
 #pragma unroll
           for (int h = 0; h < kBytes / 16; ++h) c.w[u][h] = ldg_stream_v4(wrow + static_cast<size_t>(kt) * 32 * kBytes + 16 * h);
-        } else {
+        } else if constexpr (!STAGE) {
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
             c.b[u][nb][0] = ldg_u32(xrow[nb] + kt * 32);       // k = 4t .. 4t+3
@@ -345,6 +483,31 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
       else load(c, kt0, std::false_type{}, weights);
     };
 
+    // STAGE: the chunk's activations, 8 NB token rows of U k-tiles, copied into this warp's
+    // buffer with 16-byte cp.async (a row is 2U contiguous 16-byte pieces; lanes take
+    // consecutive pieces, so each instruction reads whole lines) instead of 32-bit B
+    // fragment loads straight from global memory. Each of those touches 8 token rows, i.e.
+    // 8 L1 wavefronts for 128 bytes, and at M >= 8 that made the L1 the kernel's limit
+    // (measured on the H200: staging is 1.15-1.6x faster at M = 16 and 32; at M <= 4, where
+    // the fragment loads touch few rows, it is 0-7% slower, hence stage_activations' M >= 8).
+    // Through L1 (.ca): the warps of the CTA's other row tile copy the same bytes. Tokens
+    // past M and k-tiles past the split are zero-filled, not read.
+    auto stage = [&](int kt0) {
+      static_assert((8 * NB * 2 * U) % kWarp == 0, "whole pieces per lane");
+#pragma unroll
+      for (int i = 0; i < 8 * NB * 2 * U / kWarp; ++i) {
+        const int piece = th.lane + kWarp * i, row = piece / (2 * U), part = piece % (2 * U), kt = kt0 + part / 2;
+        const int8_t* src = p.x + static_cast<size_t>(min(th.m0 + row, p.M - 1)) * p.Kp + min(kt, th.kt_end - 1) * 32 + 16 * (part & 1);
+        cp_async_16_ca(smem_u32(act_tile) + row * kActPitch<U> + 16 * part, src, kt < th.kt_end && th.m0 + row < p.M);
+      }
+      cp_async_commit();
+    };
+    // B register h (k 16h + 4t .. + 3) of token block nb, k-tile u of the chunk.
+    auto act = [&](const Chunk& c, int u, int nb, int h) -> uint32_t {
+      if constexpr (STAGE) return *reinterpret_cast<const uint32_t*>(act_tile + (8 * nb + th.g) * kActPitch<U> + u * 32 + 16 * h + 4 * th.t);
+      else return c.b[u][nb][h];
+    };
+
     // The dense products of one loaded chunk.
     auto compute = [&](const Chunk& c, int kt0) {
       constexpr uint32_t kOnes[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
@@ -361,9 +524,10 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
             else w4_codes_to_a(c.w[u][0], a);  // folded progressive and per-channel alike: raw codes
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) {
+              const uint32_t b0 = act(c, u, nb, 0), b1 = act(c, u, nb, 1);
 #pragma unroll
-              for (int blk = 0; blk < 2; ++blk) mma_s8_16832(kFold ? part[blk][nb] : acc[blk][nb], a[blk], c.b[u][nb][0], c.b[u][nb][1]);
-              if constexpr (kFold) mma_s8_16832(xsum[nb], kOnes, c.b[u][nb][0], c.b[u][nb][1]);
+              for (int blk = 0; blk < 2; ++blk) mma_s8_16832(kFold ? part[blk][nb] : acc[blk][nb], a[blk], b0, b1);
+              if constexpr (kFold) mma_s8_16832(xsum[nb], kOnes, b0, b1);
             }
           }
         }
@@ -389,11 +553,13 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     Chunk c;
     if (first < kt_end) load_chunk(c, first, std::true_type{});
     pdl_wait();
+    trace_stamp(p, kWaited);
     int2 lookup{};
     if constexpr (OUTLIERS) lookup = next_lookup<CB>(p, nt, first, kt_end, lane);
     for (int kt0 = first; kt0 < kt_end; kt0 += step) {
       if (kt0 != first) load_chunk(c, kt0, std::true_type{});
-      load_chunk(c, kt0, std::false_type{});
+      if constexpr (STAGE) stage(kt0);
+      else load_chunk(c, kt0, std::false_type{});
       // OUTLIERS: the entries go out right after the weights (their lookups came a chunk ago,
       // except for the first chunk), and the next chunk's lookups after them.
       ChunkOutliers<NB, CB, 2> outliers;
@@ -401,31 +567,31 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
         outliers.load(p, lookup, lane);
         lookup = next_lookup<CB>(p, nt, kt0 + step, kt_end, lane);
       }
+      if constexpr (STAGE) {
+        cp_async_wait_all();
+        __syncwarp();  // every lane's pieces have landed
+      }
       compute(c, kt0);
       // (A k-tile past kt_end holds a re-loaded B fragment; its bucket columns hold no outliers.)
       if constexpr (OUTLIERS) {
-        outliers.add(p, scratch, [&](int u, int nb, int h, uint32_t& lo, uint32_t& hi) { s8x4_to_f16x2(c.b[u][nb][h], lo, hi); },
+        outliers.add(p, scratch, [&](int u, int nb, int h, uint32_t& lo, uint32_t& hi) { s8x4_to_f16x2(act(c, u, nb, h), lo, hi); },
                      sparse, lane);
       }
+      if constexpr (STAGE) __syncwarp();  // every lane has read the chunk before the next one's copies land
+      if (kt0 == first) trace_stamp(p, kFirstChunk);
     }
   }
+  trace_stamp(p, kLoopDone);
 
   if constexpr (WK > 1) {
     reduce_k_slices<NB, RT, WK>(acc, red, rt, wk, lane);
     if constexpr (OUTLIERS) reduce_k_slices<NB, RT, WK>(sparse, red, rt, wk, lane);
   }
+  trace_stamp(p, kSlicesReduced);
 
-  const bool holds = th.holds_sums(p);
-  auto visit = [&](auto&& f) {
-    if (!holds) return;
-    th.for_each_output([&](int blk, int nb, int r, int m, int n) {
-      if constexpr (OUTLIERS) f(m, n, acc[blk][nb][r], sparse[blk][nb][r]);
-      else f(m, n, acc[blk][nb][r]);
-    });
-  };
-  if (reduce_splits(p, visit)) {
-    if constexpr (OUTLIERS) visit([&](int m, int n, int& v, float& s) { store_result_with_outliers<K>(p, m, n, v, s); });
-    else visit([&](int m, int n, int& v) { store_result<K>(p, m, n, v); });
-  }
+  const bool epilogue = stream_epilogue<K, NB, RT, WK, OUTLIERS>(p, acc, sparse, red, th.holds_sums(p), rt, lane);
+  trace_stamp(p, kStored);
+  if (p.trace != nullptr && threadIdx.x == 0)
+    p.trace[(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * kTraceWords + kWhere] = sm_id() | (static_cast<unsigned long long>(epilogue) << 32);
 }
 }  // namespace qoq::gemm

@@ -44,8 +44,8 @@ struct WgmmaShape {
 
 // The wgmma kernel's split-K and epilogue go through shared memory. A lane's accumulators
 // are scattered over the tile (d[i] of m16 block b of warp w: row 32w + 16b + g + 8((i>>1)&1),
-// token 8(i>>2) + 2t + (i&1)), and storing them where they lie (what reduce_splits and
-// store_result do for the stream kernel, with a handful per lane) cost the wgmma kernel one
+// token 8(i>>2) + 2t + (i&1)), and storing them where they lie (what reduce_splits does for
+// the W4A16 kernel, with a handful per lane) cost the wgmma kernel one
 // dependent global load/store chain per accumulator: 128 round trips per thread, a fixed
 // 20-29 us per wave of CTAs (benchmarks/notes-gemm.md, version 6; now 4.7 us). Staged as a [128 tokens] x
 // [rows] INT32 tile, each thread owns instead 32 chunks of 4 consecutive rows of one token
@@ -60,17 +60,6 @@ struct WgmmaStaging {
   static constexpr int kPasses = 128 / kTokenStep;       // = 32 chunks per thread
   static constexpr int kBytes = 128 * kPitch * 4;
 };
-
-__device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
-  return static_cast<uint32_t>(__half_as_ushort(lo)) | static_cast<uint32_t>(__half_as_ushort(hi)) << 16;
-}
-
-__device__ __forceinline__ void add4(int4& a, const int4& b) {
-  a.x += b.x;
-  a.y += b.y;
-  a.z += b.z;
-  a.w += b.w;
-}
 
 template <Kind K, int WGS>
 __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2][64], int* tile, int m0, int nt0) {
@@ -146,27 +135,13 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
       for (int r = 0; r < 4; ++r) a[r] -= zero[r] * rowsum[j];  // per-channel zero point (0 otherwise)
       const size_t at = static_cast<size_t>(m) * p.N + n0;
       if (p.out_i32) {
-        int32_t* out = static_cast<int32_t*>(p.out) + at;
-        if (whole) {
-          *reinterpret_cast<int4*>(out) = make_int4(a[0], a[1], a[2], a[3]);
-        } else {
-#pragma unroll
-          for (int r = 0; r < 4; ++r)
-            if (n0 + r < p.N) out[r] = a[r];
-        }
+        store_row4(static_cast<int32_t*>(p.out) + at, a, n0, p.N, whole);
         continue;
       }
       __half y[4];
 #pragma unroll
       for (int r = 0; r < 4; ++r) y[r] = __float2half_rn(dense_value<K>(a[r], sx[j], sw[r]));
-      __half* out = static_cast<__half*>(p.out) + at;
-      if (whole) {
-        *reinterpret_cast<uint2*>(out) = make_uint2(pack_half2(y[0], y[1]), pack_half2(y[2], y[3]));
-      } else {
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          if (n0 + r < p.N) out[r] = y[r];
-      }
+      store_row4(static_cast<__half*>(p.out) + at, y, n0, p.N, whole);
     }
   }
 }

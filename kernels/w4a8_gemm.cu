@@ -110,3 +110,17 @@ extern "C" int qoq_gemm_set_dependent_launch(int enabled) {
   qoq::gemm::dependent_launch() = enabled != 0;
   return cudaSuccess;
 }
+
+// Whether the stream kernel stages each chunk's activations in shared memory from M = 8 (the
+// default) or loads them from global memory (gemm_kernels.cuh, stage_activations; benchmarks compare).
+extern "C" int qoq_gemm_set_stage_activations(int enabled) {
+  qoq::gemm::stage_activations() = enabled != 0;
+  return cudaSuccess;
+}
+
+// Diagnostics: the stream kernels launched from now on write their CTAs' timelines to
+// `trace` (gemm_common.cuh, TraceStamp; kTraceWords words per CTA), or nowhere (null).
+extern "C" int qoq_gemm_set_trace(void* trace) {
+  qoq::gemm::trace_buffer() = static_cast<unsigned long long*>(trace);
+  return cudaSuccess;
+}

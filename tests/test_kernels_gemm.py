@@ -149,30 +149,41 @@ def test_odd_shapes_exact(kind, n, k, group, m):
 # nothing evenly (M = 100 tokens, 23 k-tiles, 32 row tiles with a partial last one).
 FORCED = [cuda_ops.Plan(cuda_ops.STREAM, nb, s) for nb in (1, 2, 4, 8) for s in (1, 3)] + [
     cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 3)
-]
+] + [cuda_ops.Plan(wide, nb, s) for wide in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for nb in (1, 2) for s in (1, 3)]
+FORCED_IDS = {cuda_ops.STREAM: "stream", cuda_ops.WGMMA: "wgmma", cuda_ops.STREAM_1X16: "stream1x16",
+              cuda_ops.STREAM_2X8: "stream2x8"}
 
 
 @on_gpu
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("forced", FORCED, ids=lambda p: f"{'wgmma' if p.kernel else 'stream'}{p.tile}-split{p.splits}")
+@pytest.mark.parametrize("forced", FORCED, ids=lambda p: f"{FORCED_IDS[p.kernel]}{p.tile}-split{p.splits}")
 def test_every_configuration_exact(kind, forced, monkeypatch):
     if forced.kernel == cuda_ops.WGMMA and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs a Hopper GPU")
     monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", forced)
     check_gemm(kind, 100, 1000, 736, 32)
-    if forced.kernel == cuda_ops.WGMMA:  # N % 4 != 0: the epilogue's per-row stores instead of vector ones
-        check_gemm(kind, 100, 998, 736, 32)
+    check_gemm(kind, 100, 998, 736, 32)  # N % 4 != 0: the epilogues' per-row stores instead of vector ones
+
+
+@pytest.fixture
+def stage_activations():
+    """cuda_ops.set_stage_activations for one test; the default (on) again after it."""
+    yield cuda_ops.set_stage_activations
+    cuda_ops.set_stage_activations(True)
 
 
 @on_gpu
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 @pytest.mark.parametrize("m", [1, 16, 24])
 @pytest.mark.parametrize("splits", [1, 3, 7])
-def test_stream_group_folds_exact(group, m, splits, monkeypatch):
+@pytest.mark.parametrize("staged", [False, True], ids=["global", "staged"])
+def test_stream_group_folds_exact(group, m, splits, staged, stage_activations, monkeypatch):
     """At M <= 16 the stream kernel folds progressive groups into its accumulators every
     min(group, 4 k-tiles, chunk) k-tiles and splits K on those units (M = 24 dequantizes per
     word instead): every group size and split count (7 on K = 1024 leaves some splits empty)
-    must give the integer reference bit for bit."""
+    must give the integer reference bit for bit, with the activations loaded from global
+    memory or staged in shared memory."""
+    stage_activations(staged)
     monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits))
     check_gemm("per_group", m, 320, 1024, group)
     check_gemm("per_group", m, 96, 608, group)  # K padded to the group; a tail chunk in every warp
@@ -237,10 +248,65 @@ def test_dependent_launches_keep_stream_order(splits, monkeypatch):
 
 
 @on_gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("nb", [1, 2, 4, 8])
+@pytest.mark.parametrize("splits", [1, 3, 7])
+@pytest.mark.parametrize("staged", [False, True], ids=["global", "staged"])
+def test_stream_activation_paths_exact(kind, nb, splits, staged, stage_activations, monkeypatch):
+    """Each chunk's activations copied into shared memory (cp.async, zero-filled past M and
+    past the split; the default from M = 8) or loaded as B fragments from global memory: every
+    token tile and split count gives the integer reference bit for bit, tokens past M and a
+    partial last row tile included."""
+    stage_activations(staged)
+    monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", cuda_ops.Plan(cuda_ops.STREAM, nb, splits))
+    check_gemm(kind, 100, 1000, 736, 32)
+    check_gemm(kind, max(8, 8 * nb - 3), 320, 4096, 128)
+
+
+@on_gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("splits", [9, 23])
+def test_stream_more_splits_than_the_epilogue_keeps_in_flight(kind, splits, monkeypatch):
+    """The stream epilogue reads up to 8 other splits' partials at once and the rest one by
+    one; a forced plan may split further (23: every k-tile its own split)."""
+    monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", cuda_ops.Plan(cuda_ops.STREAM, 2, splits))
+    check_gemm(kind, 16, 998, 736, 32)
+
+
+@on_gpu
+@pytest.mark.parametrize("m,splits", [(1, 1), (16, 3)])
+def test_trace_stamps_a_timeline_and_changes_nothing(m, splits, monkeypatch):
+    """cuda_ops.set_trace: every CTA of a stream GEMM writes its timeline (stamps in order,
+    its multiprocessor, whether it ran the epilogue: one CTA per output tile) and the INT32
+    sums stay those of the reference."""
+    monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits))
+    n, k = 320, 4096
+    tiles = cuda_ops.PLAN_OVERRIDE.grid_tiles(m, n // 32)
+    trace = torch.zeros(tiles * splits, cuda_ops.TRACE_WORDS, dtype=torch.int64, device="cuda")
+    cuda_ops.set_trace(trace)
+    try:
+        check_gemm("per_group", m, n, k)
+    finally:
+        cuda_ops.set_trace(None)
+    stamps = trace[:, :7].cpu()
+    assert (stamps > 0).all(), "a CTA did not stamp"
+    assert (stamps[:, 1:] >= stamps[:, :-1]).all(), "stamps out of order"
+    assert int((trace[:, 7] >> 32).sum()) == tiles, "one epilogue per output tile"
+    assert int((trace[:, 7] & 0xFFFFFFFF).max()) < torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def test_trace_buffer_is_checked_before_use():
+    with pytest.raises(ValueError, match="CUDA int64"):
+        cuda_ops.set_trace(torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="CUDA int64"):
+        cuda_ops.set_trace("not a tensor")
+
+
+@on_gpu
 def test_split_k_counters_reset_under_cuda_graph():
     """A split-K GEMM captured in a CUDA graph gives the right answer on every replay (the
     counters are reset by the kernel itself), for new inputs copied into the static ones."""
-    n, k = 4096, 4096
+    n, k = 2048, 4096  # (at 4096 x 4096 the plan runs unsplit 16-warp CTAs)
     w, packed, w8 = make_weight("per_group", n, k, 128)
     x_q, x_scale, _ = make_activations(1, k, k)
     assert cuda_ops.plan(1, n // 32, k // 32, *cuda_ops._device_info(0)).splits > 1
@@ -362,23 +428,30 @@ def test_plan_covers_the_gpu(m, n, k):
     p = cuda_ops.plan(m, n // 32, k // 32, sms, hopper=True)
     ctas = p.grid_tiles(m, n // 32) * p.splits
     assert 1 <= p.splits <= cuda_ops.MAX_SPLITS and p.splits <= k // 32
+    stream_kernels = (cuda_ops.STREAM, cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8)
     if m <= 32:
-        assert p.kernel == cuda_ops.STREAM and 8 * p.tile >= m
+        assert p.kernel in stream_kernels and 8 * p.tile >= m
     else:
         assert p.kernel == cuda_ops.WGMMA
     if n * k >= 4096 * 4096:
         assert ctas >= sms / 2  # enough CTAs to keep every multiprocessor busy
-    assert cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False).kernel == cuda_ops.STREAM  # sm_80: mma.sync only
+    assert cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False).kernel in stream_kernels  # sm_80: mma.sync only
+    assert cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False, wide=False).kernel == cuda_ops.STREAM
 
 
 # The fastest configuration measured on the H200 for these cases (benchmarks/notes-gemm.md:
-# the stream rows from run 3, the wgmma rows from version 6's --explore-wgmma, which timed
-# every warpgroup x split choice): the plan must keep picking it.
+# the stream rows from version 9's --stage-ab (splits) and --explore-wide (16-warp CTAs), the
+# wgmma rows from version 6's --explore-wgmma, which timed every warpgroup x split choice):
+# the plan must keep picking it.
 MEASURED_BEST = [  # (M, N, K, kernel, tile, splits)
-    (1, 4096, 4096, cuda_ops.STREAM, 1, 4),
-    (1, 8192, 8192, cuda_ops.STREAM, 1, 2),
-    (16, 8192, 8192, cuda_ops.STREAM, 2, 2),
+    (1, 4096, 4096, cuda_ops.STREAM_1X16, 1, 1),
+    (16, 4096, 4096, cuda_ops.STREAM_1X16, 2, 1),
+    (1, 8192, 8192, cuda_ops.STREAM_2X8, 1, 1),
+    (16, 8192, 8192, cuda_ops.STREAM_2X8, 2, 1),
+    (8, 4096, 14336, cuda_ops.STREAM_1X16, 1, 1),
+    (16, 14336, 4096, cuda_ops.STREAM, 2, 1),
     (32, 8192, 8192, cuda_ops.STREAM, 4, 2),
+    (32, 4096, 4096, cuda_ops.STREAM, 4, 4),
     (64, 4096, 4096, cuda_ops.WGMMA, 1, 4),
     (256, 4096, 4096, cuda_ops.WGMMA, 1, 2),
     (512, 4096, 4096, cuda_ops.WGMMA, 2, 2),
@@ -401,7 +474,8 @@ def test_plan_picks_the_measured_best(m, n, k, kernel, tile, splits):
     cuda_ops.Plan(cuda_ops.STREAM, 3, 1),   # NB 3
     cuda_ops.Plan(cuda_ops.STREAM, 1, 0),   # no split
     cuda_ops.Plan(cuda_ops.STREAM, 1, 24),  # more splits than k-tiles
-    cuda_ops.Plan(2, 1, 1),                 # no such kernel
+    cuda_ops.Plan(4, 1, 1),                 # no such kernel
+    cuda_ops.Plan(cuda_ops.STREAM_1X16, 4, 1),  # 16-warp stream CTAs exist for NB = 1, 2 only
     cuda_ops.Plan(cuda_ops.WGMMA, 3, 1),    # three warpgroups
     cuda_ops.Plan(cuda_ops.WGMMA, 1, 7),    # wgmma splits whole 4-k-tile stages
 ], ids=lambda p: f"kernel{p.kernel}-tile{p.tile}-splits{p.splits}")

@@ -150,6 +150,16 @@ def test_several_chunks_per_warp(kind, group, m, splits, monkeypatch):
 
 @on_gpu
 @pytest.mark.parametrize("kind,group", KINDS, ids=lambda v: str(v))
+@pytest.mark.parametrize("m", [3, 16, 40])
+@pytest.mark.parametrize("splits", [1, 3, 11])
+def test_rows_not_a_multiple_of_four(kind, group, m, splits, monkeypatch):
+    """N = 998: the epilogue's last vector of rows is partial (per-row stores); 11 splits:
+    more than the epilogue reads at once."""
+    check_fused(kind, group, m, 998, K, 0.01, splits, monkeypatch)
+
+
+@on_gpu
+@pytest.mark.parametrize("kind,group", KINDS, ids=lambda v: str(v))
 @pytest.mark.parametrize("m", [1, 5, 33])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_full_and_empty_buckets(kind, group, m, splits, monkeypatch):
@@ -177,7 +187,7 @@ def test_custom_ops_and_cuda_graph():
     CUDA graph (its counters reset themselves; the fp32 partials are re-made each replay)."""
     kind, group, m = "per_group", 128, 1
     w, packed, w8, sparse, tc = section(kind, group, 4096, 4096, 0.01)
-    assert cuda_ops.plan(m, 4096 // 32, 4096 // 32, *cuda_ops._device_info(0)[:1], hopper=False).splits > 1
+    assert cuda_ops.plan(m, 4096 // 32, 4096 // 32, *cuda_ops._device_info(0)[:1], hopper=False, wide=False).splits > 1
     x_q, x_scale, _ = make_activations(m, 4096, 4096)
     op = torch.ops.qoqtool.w4a8_sparse_dense_gemm_per_group
     op(x_q, x_scale, *packed, *tc, 4096)  # warm up outside the capture

@@ -62,6 +62,10 @@ _SIGNATURES = {
     "qoq_w4a16_sparse_dense_gemm": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P],
     # enabled
     "qoq_gemm_set_dependent_launch": [_I],
+    # enabled
+    "qoq_gemm_set_stage_activations": [_I],
+    # trace buffer (or NULL)
+    "qoq_gemm_set_trace": [_P],
     # x, M, K, Kp, x_q, x_scale, x_rowsum, stream
     "qoq_quantize_per_token": [_P, _I, _I, _I, _P, _P, _P, _P],
     # x, weight, eps, M, K, Kp, x_q, x_scale, x_rowsum, stream
@@ -86,12 +90,14 @@ def _call(name: str, *args) -> None:
 
 
 # -- tile configuration by M ------------------------------------------------------------------
-STREAM, WGMMA = 0, 1  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
+STREAM, WGMMA, STREAM_1X16, STREAM_2X8 = 0, 1, 2, 3  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
+# The stream kernel's CTA shapes: (row tiles, k-slice warps) by kernel id (launch_stream_shape).
+_STREAM_SHAPES = {STREAM: (2, 4), STREAM_1X16: (1, 16), STREAM_2X8: (2, 8)}
 
 # The stream kernel's shape (mirrors launch_stream in gemm_kernels.cuh): 2 row tiles x 4
 # k-slice warps per CTA; U k-tiles in flight per warp, by tokens-per-CTA/8 (NB); how many
 # CTAs fit on one multiprocessor (its __launch_bounds__ minimum).
-_STREAM_ROW_TILES, _STREAM_WARPS_K = 2, 4
+_STREAM_WARPS_K = _STREAM_SHAPES[STREAM][1]
 _STREAM_CHUNK = {1: 8, 2: 8, 4: 4, 8: 2}
 _STREAM_CTAS_PER_SM = {1: 2, 2: 2, 4: 2, 8: 1}
 _WGMMA_TOKENS, _WGMMA_ROW_TILES_PER_WG = 128, 4
@@ -120,17 +126,17 @@ class Plan:
 
     def grid_tiles(self, m: int, n_tiles: int) -> int:
         """CTA tiles in the (x, y) plane of the grid: the split-K counters needed."""
-        if self.kernel == STREAM:
-            return math.ceil(n_tiles / _STREAM_ROW_TILES) * math.ceil(m / (8 * self.tile))
+        if self.kernel in _STREAM_SHAPES:
+            return math.ceil(n_tiles / _STREAM_SHAPES[self.kernel][0]) * math.ceil(m / (8 * self.tile))
         return math.ceil(n_tiles / (_WGMMA_ROW_TILES_PER_WG * self.tile)) * math.ceil(m / _WGMMA_TOKENS)
 
     def name(self) -> str:
-        return f"{('stream', 'wgmma')[self.kernel]} tile={self.tile} splits={self.splits}"
+        return f"{('stream', 'wgmma', 'stream1x16', 'stream2x8')[self.kernel]} tile={self.tile} splits={self.splits}"
 
 
 def check_plan(p: Plan, k_tiles: int) -> None:
     """A plan the library can launch (PLAN_OVERRIDE may hold any): raise ValueError if not."""
-    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2)}
+    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2), STREAM_1X16: (1, 2), STREAM_2X8: (1, 2)}
     if p.kernel not in tiles or p.tile not in tiles[p.kernel]:
         raise ValueError(f"no kernel {p.kernel} with tile {p.tile}: kernels and tiles are {tiles}")
     most = math.ceil(k_tiles / 4) if p.kernel == WGMMA else k_tiles  # wgmma splits whole 4-k-tile stages
@@ -143,7 +149,7 @@ def stream_tile(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
 
 
-def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool) -> Plan:
+def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool = True) -> Plan:
     """The tile configuration for an [m, 32*k_tiles] x [32*n_tiles, 32*k_tiles]^T GEMM.
 
     M <= 32 (or no Hopper): the stream kernel. The GEMM is a weight stream bounded by memory
@@ -152,6 +158,12 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool) -> Plan:
     run (enough 128-bit loads in flight), but never so far that a warp of a split gets less
     than one full chunk of k-tiles.
       M <= 8: NB 1 | <= 16: NB 2 | <= 32: NB 4 | larger (no Hopper): NB 8, ceil(M / 64) token tiles
+    At M <= 16, when the row tiles alone make one wave of 16-warp CTAs (3/4 of the SMs to all
+    of them: 1 row tile per CTA, else 2), those CTAs (`wide`; 1 x 16 or 2 x 8 warps, one per
+    SM) run unsplit instead: no split-K round trip, whose last CTA the next kernel waits for.
+    Measured on the H200 (benchmarks/gemm.py --explore-wide): 1.12-1.20x on 4096 x 4096,
+    1.05-1.11x on 4096 x 14336, 1.02-1.10x on 8192 x 8192; where they would need two waves
+    (14336 x 4096) they were 0.76-0.84x, and the plan keeps the 8-warp CTAs there.
     M > 32 on Hopper: the wgmma kernel, 128 tokens per CTA, one CTA per multiprocessor, with
     1 or 2 warpgroups (128 or 256 rows) and 1..8 K splits (whole pipeline stages): the least
     time in a model fitted to the measurements (_WGMMA_*: waves x (fixed + stages per split x
@@ -160,6 +172,10 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool) -> Plan:
     """
     if m < _WGMMA_MIN_M or not hopper:
         nb = stream_tile(m)
+        if wide and nb <= 2:
+            for kernel in (STREAM_1X16, STREAM_2X8):
+                if 0.75 * sms <= Plan(kernel, nb, 1).grid_tiles(m, n_tiles) <= sms:
+                    return Plan(kernel, nb, 1)
         p = Plan(STREAM, nb, 1)
         target = _STREAM_CTAS_PER_SM[nb] * sms
         full_chunks = max(1, k_tiles // (_STREAM_WARPS_K * _STREAM_CHUNK[nb]))
@@ -188,6 +204,30 @@ def set_dependent_launch(enabled: bool = True) -> None:
     of the stream finishes; they wait for it before they read activations or write anything.
     benchmarks/gemm.py --explore-stream times both."""
     _call("qoq_gemm_set_dependent_launch", int(enabled))
+
+
+def set_stage_activations(enabled: bool = True) -> None:
+    """Whether the small-M (stream) kernel copies each chunk's activations into shared memory
+    with 16-byte copies before its mma reads them (at M >= 8), instead of loading the 32-bit B
+    fragments from global memory, for the whole process (default: yes; measured 1.15-1.6x
+    faster at M = 16 and 32 on the H200). benchmarks/gemm.py --stage-ab times both."""
+    _call("qoq_gemm_set_stage_activations", int(enabled))
+
+
+TRACE_WORDS = 8  # kTraceWords of kernels/gemm_common.cuh: the int64 words of one CTA's timeline
+
+
+def set_trace(buffer: Tensor | None) -> None:
+    """Diagnostics: the stream GEMM kernels launched from now on (this process) write their
+    CTAs' timelines into `buffer` (CUDA int64, TRACE_WORDS per CTA of the grid: global-timer
+    stamps in ns at entry, after the dependent-launch wait, after the first chunk, after the
+    main loop, after the k-slice and split-K reductions and after the stores, then the
+    multiprocessor | ran-the-epilogue << 32), or nowhere (None, the default). The buffer must
+    outlive every launch that holds it, CUDA-graph replays included.
+    benchmarks/gemm_timeline.py reads them."""
+    if buffer is not None and (not isinstance(buffer, Tensor) or buffer.dtype != torch.int64 or not buffer.is_cuda):
+        raise ValueError("the trace buffer must be a CUDA int64 tensor")
+    _call("qoq_gemm_set_trace", None if buffer is None else buffer.data_ptr())
 
 
 @functools.lru_cache(maxsize=None)
@@ -403,7 +443,7 @@ def _stream_only_plan(m: int, n_tiles: int, kp: int, device, what: str) -> tuple
     as on a GPU without wgmma (PLAN_OVERRIDE may force tile and splits, not another kernel), and
     the split-K buffers: INT32 workspace, fp32 partials, counters."""
     sms, _ = _device_info(device.index)
-    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False)
+    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False, wide=False)
     if p.kernel != STREAM:
         raise ValueError(f"{what} runs on the stream kernel only")
     return p, _split_buffers(p, m, n_tiles, device, partials=(torch.int32, torch.float32))
