@@ -232,10 +232,11 @@ def mode_ab(g, modes: dict, ms=SMALL_MS, group: int = GROUP) -> tuple[list[dict]
                 modes[names[0]]()
                 plan_us = time_calls(calls)
             for splits in sorted({1, 2, 3, 4, 6, 8} | ({auto.splits} if auto.kernel == cuda_ops.STREAM else set())):
+                choice = cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits)
+                is_plan = auto == choice
                 for mode in names:
                     modes[mode]()
-                    us = time_with_plan(cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits), calls)
-                    is_plan = auto == cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits)
+                    us = time_with_plan(choice, calls)
                     rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": cuda_ops.stream_tile(m),
                                  "splits": splits, "mode": mode, "us": us, "bf16_us": bf16, "plan": is_plan})
                     if mode not in best or us < best[mode][0]:

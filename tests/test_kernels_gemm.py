@@ -150,13 +150,11 @@ def test_odd_shapes_exact(kind, n, k, group, m):
 FORCED = [cuda_ops.Plan(cuda_ops.STREAM, nb, s) for nb in (1, 2, 4, 8) for s in (1, 3)] + [
     cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 3)
 ] + [cuda_ops.Plan(wide, nb, s) for wide in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for nb in (1, 2) for s in (1, 3)]
-FORCED_IDS = {cuda_ops.STREAM: "stream", cuda_ops.WGMMA: "wgmma", cuda_ops.STREAM_1X16: "stream1x16",
-              cuda_ops.STREAM_2X8: "stream2x8"}
 
 
 @on_gpu
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("forced", FORCED, ids=lambda p: f"{FORCED_IDS[p.kernel]}{p.tile}-split{p.splits}")
+@pytest.mark.parametrize("forced", FORCED, ids=lambda p: f"{cuda_ops.KERNEL_NAMES[p.kernel]}{p.tile}-split{p.splits}")
 def test_every_configuration_exact(kind, forced, monkeypatch):
     if forced.kernel == cuda_ops.WGMMA and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs a Hopper GPU")

@@ -91,6 +91,7 @@ def _call(name: str, *args) -> None:
 
 # -- tile configuration by M ------------------------------------------------------------------
 STREAM, WGMMA, STREAM_1X16, STREAM_2X8 = 0, 1, 2, 3  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
+KERNEL_NAMES = {STREAM: "stream", WGMMA: "wgmma", STREAM_1X16: "stream1x16", STREAM_2X8: "stream2x8"}
 # The stream kernel's CTA shapes: (row tiles, k-slice warps) by kernel id (launch_stream_shape).
 _STREAM_SHAPES = {STREAM: (2, 4), STREAM_1X16: (1, 16), STREAM_2X8: (2, 8)}
 
@@ -131,7 +132,7 @@ class Plan:
         return math.ceil(n_tiles / (_WGMMA_ROW_TILES_PER_WG * self.tile)) * math.ceil(m / _WGMMA_TOKENS)
 
     def name(self) -> str:
-        return f"{('stream', 'wgmma', 'stream1x16', 'stream2x8')[self.kernel]} tile={self.tile} splits={self.splits}"
+        return f"{KERNEL_NAMES[self.kernel]} tile={self.tile} splits={self.splits}"
 
 
 def check_plan(p: Plan, k_tiles: int) -> None:
