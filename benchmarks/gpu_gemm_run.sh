@@ -8,11 +8,9 @@
 #   QOQTOOL_KERNEL_CACHE=.kbuild QOQTOOL_KERNEL_SOURCES=w4a8_gemm,w8a8_gemm,fused_ops python -m qoqtool.kernels.build
 # and rebuilt here only if the sources differ. Each stage has its own time limit and the
 # later stages run even when an earlier one fails.
-set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gemm_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 QOQTOOL_KERNEL_CACHE=$PWD/.kbuild QOQTOOL_KERNEL_SOURCES=w4a8_gemm,w8a8_gemm,fused_ops
+export QOQTOOL_KERNEL_SOURCES=w4a8_gemm,w8a8_gemm,fused_ops
 source benchmarks/gpu_stages.sh
 setup_machine 300
 

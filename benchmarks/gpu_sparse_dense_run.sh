@@ -10,11 +10,8 @@
 #   QOQTOOL_KERNEL_CACHE=$PWD/.kbuild python -m qoqtool.kernels.build --jobs 2
 # and rebuilt here only if the sources differ. Each stage has its own time limit and the
 # later stages run even when an earlier one fails.
-set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sparse_dense_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 QOQTOOL_KERNEL_CACHE=$PWD/.kbuild
 source benchmarks/gpu_stages.sh
 setup_machine 300
 

@@ -1,5 +1,10 @@
-# Sourced by the one-call GPU scripts (benchmarks/gpu_*_run.sh) after they set OUT and
-# QOQTOOL_KERNEL_CACHE: a staged log, and the machine / install / library stages they share.
+# Sourced by the one-call GPU scripts (benchmarks/gpu_*_run.sh) from the repository root after
+# they set OUT: pipefail, $OUT, unbuffered python, the kernel cache in the carried .kbuild (unless
+# QOQTOOL_KERNEL_CACHE says otherwise), a staged log, and the machine / install / library
+# stages they share.
+set -o pipefail
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 QOQTOOL_KERNEL_CACHE=${QOQTOOL_KERNEL_CACHE:-$PWD/.kbuild}
 LOG=$OUT/log.txt
 stage() { echo; echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 

@@ -46,11 +46,14 @@ struct Params {
 // The stamps of a CTA's timeline (global timer, ns), then its multiprocessor and whether it
 // ran the epilogue.
 enum TraceStamp : int { kEntry, kWaited, kFirstChunk, kLoopDone, kSlicesReduced, kSplitsReduced, kStored, kWhere, kTraceWords };
-__device__ __forceinline__ void trace_stamp(const Params& p, int stamp) {
+__device__ __forceinline__ void trace_put(const Params& p, int word, unsigned long long value) {
   if (p.trace != nullptr && threadIdx.x == 0) {
     const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    p.trace[cta * kTraceWords + stamp] = global_timer_ns();
+    p.trace[cta * kTraceWords + word] = value;
   }
+}
+__device__ __forceinline__ void trace_stamp(const Params& p, int stamp) {
+  if (p.trace != nullptr && threadIdx.x == 0) trace_put(p, stamp, global_timer_ns());
 }
 
 // What every entry point sets alike: the activations, the shape, split-K and its buffers.
@@ -147,7 +150,8 @@ __device__ __forceinline__ uint32_t pack_half2(__half lo, __half hi) {
   return static_cast<uint32_t>(__half_as_ushort(lo)) | static_cast<uint32_t>(__half_as_ushort(hi)) << 16;
 }
 
-__device__ __forceinline__ void add4(int4& a, const int4& b) {
+template <class V>  // int4 or float4
+__device__ __forceinline__ void add4(V& a, const V& b) {
   a.x += b.x;
   a.y += b.y;
   a.z += b.z;

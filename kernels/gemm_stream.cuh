@@ -177,30 +177,6 @@ struct ChunkOutliers {
   }
 };
 
-// The k-slice reduction of the stream kernel: WK warps of a row tile hold partial sums of the
-// same outputs in the same registers; a tree through shared memory, laid out
-// [row tile][slot][register][lane] so that every access is one conflict-free word per lane.
-// T is int (the dense sums) or float (the outliers'), carried as bits.
-template <int NB, int RT, int WK, class T>
-__device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int rt, int wk, int lane) {
-  constexpr int kRegs = 2 * NB * 4;
-  auto bits = [](T x) { if constexpr (sizeof(T) == 4 && !std::is_integral_v<T>) return __float_as_int(x); else return x; };
-  auto value = [](int x) { if constexpr (!std::is_integral_v<T>) return __int_as_float(x); else return x; };
-#pragma unroll
-  for (int s = WK / 2; s >= 1; s /= 2) {
-    if (wk >= s && wk < 2 * s) {
-#pragma unroll
-      for (int r = 0; r < kRegs; ++r) red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = bits(v[r / (4 * NB)][(r / 4) % NB][r % 4]);
-    }
-    __syncthreads();
-    if (wk < s) {
-#pragma unroll
-      for (int r = 0; r < kRegs; ++r) v[r / (4 * NB)][(r / 4) % NB][r % 4] += value(red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane]);
-    }
-    __syncthreads();
-  }
-}
-
 // Where a thread of a stream-style CTA (RT row tiles x WK warps splitting K, 8 NB tokens; the
 // stream and W4A16 kernels) works: its lane's (g, t) in the mma fragments, its warp's row
 // tile and k slice, the CTA's first token, and the k-tiles of its split - whole units of ALIGN
@@ -232,16 +208,15 @@ struct StreamThread {
   }
 };
 
-// The stream kernel's epilogue, through shared memory like wgmma_epilogue. After the
-// k-slice reduction the k-slice-0 warps hold the CTA's sums, four registers per lane
-// scattered over the tile; stored where they lie (as the W4A16 kernel still does through
-// reduce_splits), the last split of a tile read the other splits' partials one split after
-// another, each a round trip to L2: at 4 splits the slowest CTAs spent 3.2-3.7 us from the
-// k-slice reduction to the end of split-K, 1.5 us now (benchmarks/gemm_timeline.py, 4096^2,
-// M = 1 and 16), and the next kernel waits for the slowest. Staged as a
-// [8 NB tokens] x [RT * 32 rows] tile, each thread of the CTA owns instead vectors of 4
-// consecutive rows of one token: its split-K partials move as 16-byte stores and loads, every
-// other split's in flight at once, and the outputs go out as 8-byte stores.
+// The stream kernel's epilogue, through shared memory like wgmma_epilogue. Stored where they
+// lie in the registers (as the W4A16 kernel still does through reduce_splits), the last split
+// of a tile read the other splits' partials one split after another, each a round trip to
+// L2: at 4 splits the slowest CTAs spent 3.2-3.7 us from the k-slice reduction to the end of
+// split-K, 1.5 us once staged (benchmarks/gemm_timeline.py, 4096^2, M = 1 and 16), and the
+// next kernel waits for the slowest. Staged as a [8 NB tokens] x [RT * 32 rows] tile, each
+// thread of the CTA owns instead vectors of 4 consecutive rows of one token: its split-K
+// partials move as 16-byte stores and loads, every other split's in flight at once, and the
+// outputs go out as 8-byte stores.
 template <int NB, int RT>
 struct StreamStaging {
   static constexpr int kRows = RT * 32;
@@ -250,28 +225,148 @@ struct StreamStaging {
   static constexpr int kWords = 8 * NB * kPitch;  // one tile (the outliers' fp32 sums: a second one)
 };
 
-// Returns whether this CTA ran the epilogue (the last split of its tile to arrive).
+// The k-slice reduction of the 8-warp stream-style kernels (stream, W4A16): the WK warps of a row
+// tile hold partial sums of the same outputs in the same registers; a tree through shared memory, laid out
+// [row tile][slot][register][lane] so that every access is one conflict-free word per lane.
+// T is int (the dense sums) or float (the outliers' and W4A16's), carried as bits. Afterwards the
+// k-slice-0 warps hold the sums.
+template <int NB, int RT, int WK, class T>
+__device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int rt, int wk, int lane) {
+  constexpr int kRegs = 2 * NB * 4;
+  auto bits = [](T x) { if constexpr (sizeof(T) == 4 && !std::is_integral_v<T>) return __float_as_int(x); else return x; };
+  auto value = [](int x) { if constexpr (!std::is_integral_v<T>) return __int_as_float(x); else return x; };
+#pragma unroll
+  for (int s = WK / 2; s >= 1; s /= 2) {
+    if (wk >= s && wk < 2 * s) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = bits(v[r / (4 * NB)][(r / 4) % NB][r % 4]);
+    }
+    __syncthreads();
+    if (wk < s) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) v[r / (4 * NB)][(r / 4) % NB][r % 4] += value(red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane]);
+    }
+    __syncthreads();
+  }
+}
+
+// How the stream kernel's k-slice warps hand their sums to the epilogue's tile: the tree above
+// (8-warp CTAs), or, with 16 warps, flat: every warp stores all its 8 NB registers ([warp]
+// [register][lane]: one conflict-free word per lane), one barrier, and every thread adds the
+// WK partials of 8 NB / WK words and writes each sum where the tile wants it (token
+// 8nb + 2t + (r & 1), row 32 rt + 16 blk + g + 8 (r >> 1); the tile's pitch of 4 mod 32 words
+// puts the 32 lanes' stores on 32 banks). The tree needs 2 log2(WK) barriers, 8 at WK = 16,
+// and leaves the adding to fewer and fewer warps. Measured on the H200
+// (benchmarks/library_ab.py): flat is 1.02x faster with 16 warps (0.99-1.07x) and 0.96x with
+// 8 (0.90-1.00x; there its buffer was twice the tree's, and at NB = 4 it took two rounds).
+template <int NB, int RT, int WK, bool OUTLIERS>
+struct KSliceReduction {
+  static constexpr int kRegs = 2 * NB * 4;
+  static constexpr bool kFlat = WK >= 8;
+  static constexpr int kRedWords = (kFlat ? RT * WK : RT * (WK / 2)) * kRegs * kWarp;
+  static constexpr int kTileWords = StreamStaging<NB, RT>::kWords * (OUTLIERS ? 2 : 1);
+  // The tree is done with its buffer before the tile is written there; flat reads one while writing the other.
+  static constexpr int kTileAt = kFlat ? kRedWords : 0;
+  static constexpr int kWords = kFlat ? kRedWords + kTileWords : (kRedWords > kTileWords ? kRedWords : kTileWords);
+  static_assert(!kFlat || kRegs <= 16, "the flat buffer holds every register of every warp (<= 32 KB)");
+};
+
+template <int NB, int RT, int WK, class T>
+__device__ __forceinline__ void reduce_k_slices_flat(const T (&v)[2][NB][4], int* red, T* tile, int rt, int wk, int lane) {
+  constexpr int kRegs = 2 * NB * 4, kThreads = RT * WK * kWarp;
+  auto bits = [](T x) { if constexpr (std::is_integral_v<T>) return x; else return __float_as_int(x); };
+  auto value = [](int x) { if constexpr (std::is_integral_v<T>) return x; else return __int_as_float(x); };
+#pragma unroll
+  for (int r = 0; r < kRegs; ++r) red[((rt * WK + wk) * kRegs + r) * kWarp + lane] = bits(v[r / (4 * NB)][(r / 4) % NB][r % 4]);
+  __syncthreads();
+  for (int i = threadIdx.x; i < RT * kRegs * kWarp; i += kThreads) {
+    const int tile_rt = i / (kRegs * kWarp), r = (i / kWarp) % kRegs, l = i % kWarp;
+    T sum = 0;
+#pragma unroll
+    for (int w = 0; w < WK; ++w) sum += value(red[((tile_rt * WK + w) * kRegs + r) * kWarp + l]);
+    const int blk = r / (4 * NB), nb = (r / 4) % NB, c = r % 4, g = l / 4, t = l % 4;
+    tile[(8 * nb + 2 * t + (c & 1)) * StreamStaging<NB, RT>::kPitch + 32 * tile_rt + 16 * blk + g + 8 * (c >> 1)] = sum;
+  }
+  __syncthreads();  // the tile is whole (and the buffer free again)
+}
+
+// The k-slice reduction into the epilogue's tile (smem: KSliceReduction::kWords); returns the
+// tile (OUTLIERS: the outliers' fp32 tile right after it).
+template <int NB, int RT, int WK, bool OUTLIERS>
+__device__ __forceinline__ int* reduce_k_slices_to_tile(int (&acc)[2][NB][4], float (&sparse)[2][NB][4], int* smem, bool holds,
+                                                        int rt, int wk, int lane) {
+  using R = KSliceReduction<NB, RT, WK, OUTLIERS>;
+  using Tile = StreamStaging<NB, RT>;
+  int* tile = smem + R::kTileAt;
+  float* sparse_tile = reinterpret_cast<float*>(tile + Tile::kWords);
+  if constexpr (R::kFlat) {
+    reduce_k_slices_flat<NB, RT, WK>(acc, smem, tile, rt, wk, lane);
+    if constexpr (OUTLIERS) reduce_k_slices_flat<NB, RT, WK>(sparse, smem, sparse_tile, rt, wk, lane);
+  } else {
+    if constexpr (WK > 1) {
+      reduce_k_slices<NB, RT, WK>(acc, smem, rt, wk, lane);
+      if constexpr (OUTLIERS) reduce_k_slices<NB, RT, WK>(sparse, smem, rt, wk, lane);
+    }
+    if (holds) {
+      const int g = lane / 4, t = lane % 4;
+#pragma unroll
+      for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int at = (8 * nb + 2 * t + (r & 1)) * Tile::kPitch + 32 * rt + 16 * blk + g + 8 * (r >> 1);
+            tile[at] = acc[blk][nb][r];
+            if constexpr (OUTLIERS) sparse_tile[at] = sparse[blk][nb][r];
+          }
+    }
+    __syncthreads();
+  }
+  return tile;
+}
+
+// The epilogue's per-row inputs of one thread. Every vector a thread stores covers the same
+// 4 rows (its vectors are kThreads apart, a multiple of the vectors per token), so the rows'
+// scales (and zero points) are loaded once, at kernel entry: no earlier kernel writes them, so
+// they are read before the dependent-launch wait, with the first weights, and their DRAM
+// latency no longer follows the reductions (on the H200, benchmarks/library_ab.py: 1.02x with
+// 8 warps, 1.03x with 16, geometric means at M <= 32).
+template <Kind K>
+struct RowParams {
+  uint32_t scale[2];  // the 4 rows' fp16 scales, two per word (3 words in all: they live through the main loop)
+  uint32_t zero;      // kUInt4Channel: the 4 rows' zero points, one per byte
+
+  template <int NB, int RT, int WK>
+  __device__ __forceinline__ static int first_row() {
+    static_assert((RT * WK * kWarp) % (StreamStaging<NB, RT>::kRows / 4) == 0, "a thread's vectors share their rows");
+    return blockIdx.x * RT * 32 + 4 * (threadIdx.x % (StreamStaging<NB, RT>::kRows / 4));
+  }
+  __device__ __forceinline__ void load(const Params& p, int n0) {
+    __half h[4];
+    zero = 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const bool in = n0 + r < p.N;
+      h[r] = in ? p.scale[n0 + r] : __float2half(0.f);
+      if constexpr (K == Kind::kUInt4Channel) zero |= (in ? static_cast<uint32_t>(p.zero[n0 + r]) : 0u) << (8 * r);
+    }
+    scale[0] = pack_half2(h[0], h[1]);
+    scale[1] = pack_half2(h[2], h[3]);
+  }
+  __device__ __forceinline__ float scale_of(int r) const {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(scale[r / 2] >> (16 * (r % 2)))));
+  }
+  __device__ __forceinline__ int zero_of(int r) const { return static_cast<int>((zero >> (8 * r)) & 0xFFu); }
+};
+
+// The epilogue of a staged tile (reduce_k_slices_to_tile; OUTLIERS: the fp32 outlier sums in a
+// second tile right after it). Returns whether this CTA ran it (the last split of its tile to
+// arrive).
 template <Kind K, int NB, int RT, int WK, bool OUTLIERS>
-__device__ __forceinline__ bool stream_epilogue(const Params& p, const int (&acc)[2][NB][4], const float (&sparse)[2][NB][4],
-                                                int* tile, bool holds, int rt, int lane) {
+__device__ __forceinline__ bool stream_epilogue(const Params& p, const int* tile, const RowParams<K>& rows) {
   using T = StreamStaging<NB, RT>;
   constexpr int kThreads = RT * WK * kWarp, kMaxSplits = 8;
-  float* sparse_tile = reinterpret_cast<float*>(tile + T::kWords);
-  if (holds) {
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int blk = 0; blk < 2; ++blk)
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int at = (8 * nb + 2 * t + (r & 1)) * T::kPitch + 32 * rt + 16 * blk + g + 8 * (r >> 1);
-          tile[at] = acc[blk][nb][r];
-          if constexpr (OUTLIERS) sparse_tile[at] = sparse[blk][nb][r];
-        }
-  }
-  __syncthreads();
-
+  const float* sparse_tile = reinterpret_cast<const float*>(tile + T::kWords);
   const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;  // workspace [split][M][NT*32]
   const int m0 = blockIdx.y * 8 * NB, n_base = blockIdx.x * RT * 32;
   if (p.splits > 1) {
@@ -311,25 +406,21 @@ __device__ __forceinline__ bool stream_epilogue(const Params& p, const int (&acc
         if (z == static_cast<int>(blockIdx.z)) continue;
         const size_t at = z * slice + m * ld + n0;
         add4(sum, __ldcg(reinterpret_cast<const int4*>(p.workspace + at)));
-        if constexpr (OUTLIERS) {
-          const float4 e = __ldcg(reinterpret_cast<const float4*>(p.sparse_workspace + at));
-          sp.x += e.x, sp.y += e.y, sp.z += e.z, sp.w += e.w;
-        }
+        if constexpr (OUTLIERS) add4(sp, __ldcg(reinterpret_cast<const float4*>(p.sparse_workspace + at)));
       }
 #pragma unroll
       for (int z = 0; z < kMaxSplits; ++z) {
         add4(sum, w[z]);
-        if constexpr (OUTLIERS) sp.x += f[z].x, sp.y += f[z].y, sp.z += f[z].z, sp.w += f[z].w;
+        if constexpr (OUTLIERS) add4(sp, f[z]);
       }
     }
     int a[4] = {sum.x, sum.y, sum.z, sum.w};
-    const float sps[4] = {sp.x, sp.y, sp.z, sp.w};
+    if constexpr (K == Kind::kUInt4Channel) {  // the zero point: acc - z[n] * rowsum(x[m])
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] -= rows.zero_of(r) * p.x_rowsum[m];
+    }
     const size_t at = static_cast<size_t>(m) * p.N + n0;
     if (p.out_i32) {  // (never with outliers)
-      if constexpr (K == Kind::kUInt4Channel) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] -= (n0 + r < p.N ? static_cast<int>(p.zero[n0 + r]) : 0) * p.x_rowsum[m];
-      }
       store_row4(static_cast<int32_t*>(p.out) + at, a, n0, p.N, whole);
       continue;
     }
@@ -338,12 +429,11 @@ __device__ __forceinline__ bool stream_epilogue(const Params& p, const int (&acc
     // i.e. y = sx * (sw * acc + sparse) (acc less z * rowsum(xq) per channel): the token scale
     // once per term, in fp32, one fp16 rounding at the end.
     const float sx = __half2float(p.x_scale[m]);
+    const float sps[4] = {sp.x, sp.y, sp.z, sp.w};
     __half y[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const bool in = n0 + r < p.N;
-      if constexpr (K == Kind::kUInt4Channel) a[r] -= (in ? static_cast<int>(p.zero[n0 + r]) : 0) * p.x_rowsum[m];
-      const float dense = dense_value<K>(a[r], sx, in ? __half2float(p.scale[n0 + r]) : 0.f);
+      const float dense = dense_value<K>(a[r], sx, rows.scale_of(r));
       y[r] = __float2half_rn(OUTLIERS ? dense + sps[r] * sx : dense);
     }
     store_row4(static_cast<__half*>(p.out) + at, y, n0, p.N, whole);
@@ -423,11 +513,11 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   constexpr int kAlign = kFoldTiles > kBucketTiles ? kFoldTiles : kBucketTiles;
   const StreamThread<NB, RT, WK, kAlign> th(p);
   const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;  // (lambdas below read th.*)
+  RowParams<K> rows;
+  rows.load(p, RowParams<K>::template first_row<NB, RT, WK>());
 
-  // The k-slice reduction's buffer, then (after its last barrier) the epilogue's tile.
-  constexpr int kRedWords = WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1;
-  constexpr int kTileWords = StreamStaging<NB, RT>::kWords * (OUTLIERS ? 2 : 1);
-  __shared__ __align__(16) int red[kRedWords > kTileWords ? kRedWords : kTileWords];
+  // The k-slice reduction's buffer and the epilogue's tile (OUTLIERS: and the outliers' tile).
+  __shared__ __align__(16) int red[KSliceReduction<NB, RT, WK, OUTLIERS>::kWords];
   extern __shared__ __align__(128) uint8_t stream_dynamic[];  // OUTLIERS: CB bucket tiles per warp
   const uint32_t scratch = smem_u32(stream_dynamic) + warp * CB * kBucketTileBytes;
   if constexpr (OUTLIERS) zero_shared(scratch, CB * kBucketTileBytes, lane);
@@ -583,15 +673,11 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   }
   trace_stamp(p, kLoopDone);
 
-  if constexpr (WK > 1) {
-    reduce_k_slices<NB, RT, WK>(acc, red, rt, wk, lane);
-    if constexpr (OUTLIERS) reduce_k_slices<NB, RT, WK>(sparse, red, rt, wk, lane);
-  }
+  const int* tile = reduce_k_slices_to_tile<NB, RT, WK, OUTLIERS>(acc, sparse, red, th.holds_sums(p), rt, wk, lane);
   trace_stamp(p, kSlicesReduced);
 
-  const bool epilogue = stream_epilogue<K, NB, RT, WK, OUTLIERS>(p, acc, sparse, red, th.holds_sums(p), rt, lane);
+  const bool epilogue = stream_epilogue<K, NB, RT, WK, OUTLIERS>(p, tile, rows);
   trace_stamp(p, kStored);
-  if (p.trace != nullptr && threadIdx.x == 0)
-    p.trace[(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * kTraceWords + kWhere] = sm_id() | (static_cast<unsigned long long>(epilogue) << 32);
+  trace_put(p, kWhere, sm_id() | (static_cast<unsigned long long>(epilogue) << 32));
 }
 }  // namespace qoq::gemm

@@ -19,7 +19,7 @@ def test_importing_the_ops_builds_and_loads_nothing():
     """GPU-free parts of qoqtool may import qoqtool.runtime.cuda_ops: nothing is compiled or
     loaded until an op is called."""
     probe = ("import sys, qoqtool.runtime.cuda_ops as ops; "
-             "assert ops._lib.cache_info().currsize == 0; assert 'qoqtool.kernels.build' not in sys.modules")
+             "assert ops._load.cache_info().currsize == 0; assert 'qoqtool.kernels.build' not in sys.modules")
     subprocess.run([sys.executable, "-c", probe], check=True)
 
 

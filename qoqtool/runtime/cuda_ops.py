@@ -75,14 +75,32 @@ _SIGNATURES = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def _lib() -> ctypes.CDLL:
-    lib = kl.library()
+@functools.lru_cache(maxsize=None)
+def _load(path: str | None) -> ctypes.CDLL:
+    """The kernel library built from this checkout (path None) or the one at `path`, with the
+    entry points' signatures declared."""
+    lib = kl.library() if path is None else ctypes.CDLL(path)
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
     return lib
+
+
+_library_path: str | None = None
+
+
+def use_library(path: str | None) -> None:
+    """Run the GEMM ops on the kernel library at `path` (a libqoqkernels.so built from other
+    sources) instead of this checkout's; None: this checkout's again. Each library keeps its own
+    settings (set_dependent_launch and the like apply to the one in use). For
+    benchmarks/library_ab.py, which times two builds in one process."""
+    global _library_path
+    _library_path = None if path is None else str(path)
+
+
+def _lib() -> ctypes.CDLL:
+    return _load(_library_path)
 
 
 def _call(name: str, *args) -> None:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for a change to the small-M GEMM kernels: the candidate (this
+# working tree's kernels) is tested, memchecked and timed against a baseline build in the same
+# process (benchmarks/library_ab.py), then its per-CTA timelines are taken.
+#
+#   [TABLES=1] bash benchmarks/gpu_ab_run.sh BASELINE.so.xz [OTHER.so.xz ...]
+#
+# Each further library is a second baseline for the same candidate (a second A/B, ab-<name>.*).
+# Carry .kbuild (the candidate, prebuilt here with QOQTOOL_KERNEL_CACHE=$PWD/.kbuild python -m
+# qoqtool.kernels.build; one hash folder, ~40 MB) and the baseline library xz-compressed (~4.5 MB;
+# e.g. `xz -T2 -3 -c .kbuild/<hash>/libqoqkernels.so > .carry/baseline.so.xz` before the
+# candidate is built), both git-ignored. Logs go to $OUT.
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ab_out}
+source benchmarks/gpu_stages.sh
+setup_machine 300
+unxz() { python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$1" "$2"; }
+unxz "${1:?baseline}" /tmp/baseline.so
+
+stage "tests"
+timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short --maxfail=15 tests/test_kernels_gemm.py \
+  tests/test_sparse_dense_gpu.py tests/test_kernels_w4a16.py tests/test_kernels_fused.py 2>&1 | tee "$OUT/tests.txt" | tail -30
+
+stage "compute-sanitizer memcheck (every stream shape, split and unsplit; fused kernel)"
+SAN_IDS=$( (python3 -m pytest --collect-only -q tests/test_kernels_gemm.py | grep -E 'every_configuration_exact\[stream'
+  python3 -m pytest --collect-only -q tests/test_sparse_dense_gpu.py |
+    grep -E "matches_dense_plus_sparse\[3-0.05-(1|33)-|full_and_empty_buckets\[3-5-" | grep -E "per_group-128|per_channel-0"
+) 2>/dev/null)
+memcheck 120 $SAN_IDS
+
+stage "A/B against the baseline"
+timeout 240 python3 benchmarks/library_ab.py /tmp/baseline.so --json "$OUT/ab.json" 2>&1 | tee "$OUT/ab.txt" | tail -40
+for other in "${@:2}"; do
+  name=$(basename "$other" .so.xz)
+  stage "A/B against $name"
+  unxz "$other" "/tmp/$name.so"
+  timeout 240 python3 benchmarks/library_ab.py "/tmp/$name.so" --json "$OUT/ab-$name.json" 2>&1 | tee "$OUT/ab-$name.txt" | tail -14
+done
+
+stage "timelines (candidate)"
+timeout 60 python3 benchmarks/gemm_timeline.py --cases 4096:4096:16,8192:8192:16,4096:4096:1 --json "$OUT/timeline.json" \
+  2>&1 | tee "$OUT/timeline.txt" | tail -40
+
+if [ -n "${TABLES:-}" ]; then  # TABLES=1: the candidate's full tables too (benchmarks/RESULTS.md)
+  stage "gemm table (candidate)"
+  timeout 150 python3 benchmarks/gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -25
+  stage "sparse-dense targets (candidate)"
+  timeout 120 python3 benchmarks/sparse_dense.py --targets --json "$OUT/sd.json" 2>&1 | tee "$OUT/sd.txt" | tail -25
+fi
+
+# At most 8 files come back from a call: everything but the log in one archive.
+(cd "$OUT" && tar -czf results.tgz --exclude=log.txt --exclude=results.tgz ./* && find . -type f ! -name log.txt ! -name results.tgz -delete)

@@ -1,0 +1,121 @@
+"""Two builds of the kernel library timed against each other in one process (one GPU).
+
+    python benchmarks/library_ab.py BASELINE.so [--candidate PATH.so] [--ms 1,8,16,32] [--json PATH]
+
+A change to the kernels is kept or dropped by this A/B, not by comparing tables from
+different machine sessions (clocks and neighbours differ by a few percent between them).
+BASELINE is a libqoqkernels.so built from other sources (e.g. the last commit's, carried to the
+GPU machine); the candidate defaults to the library of this checkout. Cases:
+  * the W4A8 GEMM (both kinds) under the plan of this checkout, M in --ms on the four small
+    shapes of benchmarks/gemm.py; a plan whose tile or kernel the baseline lacks fails there;
+  * the fused sparse-dense GEMM (per group) at 1% uniform outliers, M in {8, 16}, on the six
+    shapes of benchmarks/sparse_dense.py (--no-fused skips them).
+Each case is timed as benchmarks/gemm.py times (R calls on R weight copies in one CUDA graph,
+do_bench median) under baseline, candidate, baseline, candidate; each library's faster run is
+kept. Printed: both times, cuBLAS bf16 in the same run, and baseline / candidate (> 1: the
+candidate is faster), with the geometric mean per group of cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gemm import W4_OPS, copies_for, small_m_cases, time_calls, w4_operands  # noqa: E402
+from sparse_dense import SHAPES as SPARSE_SHAPES  # noqa: E402
+from sparse_dense import fused_op, make_outliers  # noqa: E402
+
+from qoqtool.runtime import cuda_ops  # noqa: E402
+
+LIBRARIES = ("baseline", "candidate")
+
+
+def ab(calls, paths: dict) -> dict:
+    """{library: us per call}: the faster of two runs each, the libraries alternating."""
+    best = {}
+    for _ in range(2):
+        for name in LIBRARIES:
+            cuda_ops.use_library(paths[name])
+            us = time_calls(calls)
+            best[name] = min(us, best.get(name, math.inf))
+    cuda_ops.use_library(None)
+    return best
+
+
+def report(group: str, label: str, times: dict, bf16: float, rows: list[dict], **fields) -> None:
+    ratio = times["baseline"] / times["candidate"]
+    rows.append({"group": group, **fields, **{f"{k}_us": v for k, v in times.items()}, "bf16_us": bf16,
+                 "baseline_over_candidate": ratio})
+    print(f"{group:7s} {label:32s} | bf16 {bf16:7.2f} | baseline {times['baseline']:7.2f} ({bf16 / times['baseline']:.2f}x)"
+          f" | candidate {times['candidate']:7.2f} ({bf16 / times['candidate']:.2f}x) | {ratio:.3f}", flush=True)
+
+
+def gemm_cases(g, ms, paths, rows) -> None:
+    op = {kind: getattr(torch.ops.qoqtool, name) for kind, name in W4_OPS.items()}
+    for n, k, m, acts, bf16, plan in small_m_cases(g, ms):
+        for kind in op:
+            weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
+            times = ab([lambda w=w: op[kind](*acts[kind], *w, n) for w in weights], paths)
+            report("gemm", f"{kind} M={m:<2d} {n}x{k} {plan.name()}", times, bf16, rows,
+                   kind=kind, M=m, N=n, K=k, plan=plan.name())
+            del weights
+            torch.cuda.empty_cache()
+
+
+def fused_cases(g, ms, paths, rows) -> None:
+    for n, k in SPARSE_SHAPES:
+        op = fused_op("per_group", n)
+        copies = copies_for(n * k // 2, min(ms))
+        weights = [w4_operands(n, k, "per_group", g) for _ in range(copies)]
+        sections = [make_outliers(n, k, 0.01, "uniform", g)[0] for _ in range(copies)]
+        for m in ms:
+            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+            x_scale = (torch.rand(m, device="cuda", generator=g) * 0.02 + 0.01).half()
+            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(2 * n * k, m))]
+            bf16 = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
+            del wb
+            times = ab([lambda w=w, s=s: op(x_q, x_scale, None, w, s) for w, s in zip(weights, sections)], paths)
+            report("fused", f"1% M={m:<2d} {n}x{k}", times, bf16, rows, M=m, N=n, K=k)
+        del weights, sections
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("baseline", help="the baseline build's libqoqkernels.so")
+    ap.add_argument("--candidate", default=None, help="the candidate's library (default: this checkout's build)")
+    ap.add_argument("--ms", default="1,8,16,32", help="GEMM token counts (default 1,8,16,32)")
+    ap.add_argument("--fused-ms", default="8,16", help="fused sparse-dense token counts (default 8,16)")
+    ap.add_argument("--no-fused", action="store_true", help="skip the fused sparse-dense cases")
+    ap.add_argument("--json", default=None, help="write all numbers here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("library_ab.py needs a CUDA GPU")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    paths = {"baseline": args.baseline, "candidate": args.candidate}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict] = []
+    gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows)
+    if not args.no_fused:
+        fused_cases(g, [int(m) for m in args.fused_ms.split(",")], paths, rows)
+    print("\ngeometric mean of baseline / candidate (> 1: the candidate is faster)")
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["group"], r.get("kind", "per_group"), r["M"]), []).append(r["baseline_over_candidate"])
+    for (group, kind, m), ratios in groups.items():
+        mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        print(f"  {group:6s} {kind:11s} M={m:<2d}: {mean:.3f}  "
+              f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} shapes)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "baseline": args.baseline, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
