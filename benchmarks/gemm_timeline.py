@@ -1,6 +1,6 @@
 """Timelines of back-to-back small-M GEMMs (the stream kernel) on one GPU: where a call's time goes.
 
-    python benchmarks/gemm_timeline.py [--cases N:K:M,...] [--kind per_group|per_channel] [--json PATH]
+    python benchmarks/gemm_timeline.py [--cases N:K:M,...] [--kind per_group|per_channel] [--plan K:T:S] [--json PATH]
 
 For each case, R calls of the W4A8 GEMM, each on its own copy of the weights (as in
 benchmarks/gemm.py, so every call streams from HBM), are captured in one CUDA graph, each
@@ -36,7 +36,7 @@ DEFAULT_CASES = "8192:8192:1,8192:8192:16,4096:4096:1,4096:4096:16,14336:4096:16
 
 def timeline(n: int, k: int, m: int, kind: str, g, calls: int = 16) -> dict:
     sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
-    plan = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
+    plan = cuda_ops.PLAN_OVERRIDE or cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
     ctas = plan.grid_tiles(m, n // 32) * plan.splits
     op = {"per_group": torch.ops.qoqtool.w4a8_gemm_per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}[kind]
     x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
@@ -95,10 +95,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=DEFAULT_CASES, help=f"N:K:M,... (default {DEFAULT_CASES})")
     ap.add_argument("--kind", choices=["per_group", "per_channel"], default="per_group")
+    ap.add_argument("--plan", default=None, metavar="KERNEL:TILE:SPLITS",
+                    help="force this plan for every case instead of cuda_ops.plan's (e.g. stream1x8:2:1)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemm_timeline.py needs a CUDA GPU")
+    if args.plan:
+        name, tile, splits = args.plan.split(":")
+        kernel = {v: k for k, v in cuda_ops.KERNEL_NAMES.items()}[name]
+        cuda_ops.PLAN_OVERRIDE = cuda_ops.Plan(kernel, int(tile), int(splits))
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     rows = []

@@ -11,6 +11,7 @@ tile plan and the argument validation, which must reject bad input before any la
 from __future__ import annotations
 
 import functools
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -298,6 +299,29 @@ def test_trace_buffer_is_checked_before_use():
         cuda_ops.set_trace(torch.zeros(8, dtype=torch.int64))
     with pytest.raises(ValueError, match="CUDA int64"):
         cuda_ops.set_trace("not a tensor")
+
+
+@on_gpu
+def test_use_library_runs_the_ops_on_another_build_and_back(tmp_path):
+    """cuda_ops.use_library (benchmarks/library_ab.py) sends the ops to the library at a path
+    - here a copy of this checkout's build, a separate load - with the same results, and None
+    returns to the built one."""
+    from qoqtool.kernels import build
+
+    copy = tmp_path / "copy.so"
+    shutil.copyfile(build.build(), copy)
+    n, k = 512, 1024
+    _, packed, _ = make_weight("per_group", n, k, 128)
+    x_q, x_scale, _ = make_activations(16, k, k)
+    op = torch.ops.qoqtool.w4a8_gemm_per_group
+    built = op(x_q, x_scale, *packed, n)
+    try:
+        cuda_ops.use_library(copy)
+        assert cuda_ops._lib() is not cuda_ops._load(None)
+        assert torch.equal(op(x_q, x_scale, *packed, n), built)
+    finally:
+        cuda_ops.use_library(None)
+    assert cuda_ops._lib() is cuda_ops._load(None)
 
 
 @on_gpu
