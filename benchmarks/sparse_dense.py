@@ -38,7 +38,6 @@ import warnings
 
 import torch
 from gemm import GROUP, copies_for, w4_operands
-from triton.testing import do_bench
 
 from qoqtool.packing import tile_coo
 from qoqtool.runtime import cuda_ops  # also registers the torch.ops.qoqtool ops
@@ -144,6 +143,8 @@ def time_calls(calls, rep_ms: int) -> tuple[float, bool]:
     except Exception:  # noqa: BLE001 - any capture failure: time it eagerly instead
         torch.cuda.synchronize()
         run, captured = (lambda: [f() for f in calls]), False
+    from triton.testing import do_bench  # (triton comes with torch's CUDA builds: imported here, --help works anywhere)
+
     ms = do_bench(run, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median")
     return ms * 1e3 / len(calls), captured
 
