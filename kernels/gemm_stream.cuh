@@ -223,7 +223,29 @@ struct StreamStaging {
   static constexpr int kPitch = kRows + 4;       // words per token: +4 puts the staging stores on 32 banks
   static constexpr int kVectors = 8 * NB * kRows / 4;
   static constexpr int kWords = 8 * NB * kPitch;  // one tile (the outliers' fp32 sums: a second one)
+
+  // Where register i = [blk][nb][r] (reg) of lane (g, t) of a row tile rt warp lands in the
+  // tile: the mma C layout's token 8nb + 2t + (r & 1), row 32 rt + 16 blk + g + 8 (r >> 1) (with
+  // the pitch of 4 mod 32 words, a warp's 32 stores of one register hit 32 banks).
+  __device__ __forceinline__ static int at(int rt, int i, int lane) {
+    const int blk = i / (4 * NB), nb = (i / 4) % NB, r = i % 4, g = lane / 4, t = lane % 4;
+    return (8 * nb + 2 * t + (r & 1)) * kPitch + 32 * rt + 16 * blk + g + 8 * (r >> 1);
+  }
 };
+
+// Register i (0 .. 8 NB - 1) of a lane's [2][NB][4] accumulators (T may be const), and the
+// 32-bit words int (the dense sums) and float (the outliers' and W4A16's) sums travel as
+// through shared memory.
+template <int NB, class T>
+__device__ __forceinline__ T& reg(T (&v)[2][NB][4], int i) { return v[i / (4 * NB)][(i / 4) % NB][i % 4]; }
+template <class T>
+__device__ __forceinline__ int to_bits(T x) {
+  if constexpr (std::is_integral_v<T>) return x; else return __float_as_int(x);
+}
+template <class T>
+__device__ __forceinline__ T from_bits(int x) {
+  if constexpr (std::is_integral_v<T>) return x; else return __int_as_float(x);
+}
 
 // The k-slice reduction of the 8-warp stream-style kernels (stream, W4A16): the WK warps of a row
 // tile hold partial sums of the same outputs in the same registers; a tree through shared memory, laid out
@@ -233,18 +255,16 @@ struct StreamStaging {
 template <int NB, int RT, int WK, class T>
 __device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int rt, int wk, int lane) {
   constexpr int kRegs = 2 * NB * 4;
-  auto bits = [](T x) { if constexpr (sizeof(T) == 4 && !std::is_integral_v<T>) return __float_as_int(x); else return x; };
-  auto value = [](int x) { if constexpr (!std::is_integral_v<T>) return __int_as_float(x); else return x; };
 #pragma unroll
   for (int s = WK / 2; s >= 1; s /= 2) {
     if (wk >= s && wk < 2 * s) {
 #pragma unroll
-      for (int r = 0; r < kRegs; ++r) red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = bits(v[r / (4 * NB)][(r / 4) % NB][r % 4]);
+      for (int r = 0; r < kRegs; ++r) red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = to_bits(reg<NB>(v, r));
     }
     __syncthreads();
     if (wk < s) {
 #pragma unroll
-      for (int r = 0; r < kRegs; ++r) v[r / (4 * NB)][(r / 4) % NB][r % 4] += value(red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane]);
+      for (int r = 0; r < kRegs; ++r) reg<NB>(v, r) += from_bits<T>(red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane]);
     }
     __syncthreads();
   }
@@ -253,9 +273,8 @@ __device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int 
 // How the stream kernel's k-slice warps hand their sums to the epilogue's tile: the tree above
 // (8-warp CTAs), or, with 16 warps, flat: every warp stores all its 8 NB registers ([warp]
 // [register][lane]: one conflict-free word per lane), one barrier, and every thread adds the
-// WK partials of 8 NB / WK words and writes each sum where the tile wants it (token
-// 8nb + 2t + (r & 1), row 32 rt + 16 blk + g + 8 (r >> 1); the tile's pitch of 4 mod 32 words
-// puts the 32 lanes' stores on 32 banks). The tree needs 2 log2(WK) barriers, 8 at WK = 16,
+// WK partials of 8 NB / WK words and writes each sum where the tile wants it
+// (StreamStaging::at). The tree needs 2 log2(WK) barriers, 8 at WK = 16,
 // and leaves the adding to fewer and fewer warps. Measured on the H200
 // (benchmarks/library_ab.py): flat is 1.02x faster with 16 warps (0.99-1.07x) and 0.96x with
 // 8 (0.90-1.00x; there its buffer was twice the tree's, and at NB = 4 it took two rounds).
@@ -274,18 +293,15 @@ struct KSliceReduction {
 template <int NB, int RT, int WK, class T>
 __device__ __forceinline__ void reduce_k_slices_flat(const T (&v)[2][NB][4], int* red, T* tile, int rt, int wk, int lane) {
   constexpr int kRegs = 2 * NB * 4, kThreads = RT * WK * kWarp;
-  auto bits = [](T x) { if constexpr (std::is_integral_v<T>) return x; else return __float_as_int(x); };
-  auto value = [](int x) { if constexpr (std::is_integral_v<T>) return x; else return __int_as_float(x); };
 #pragma unroll
-  for (int r = 0; r < kRegs; ++r) red[((rt * WK + wk) * kRegs + r) * kWarp + lane] = bits(v[r / (4 * NB)][(r / 4) % NB][r % 4]);
+  for (int r = 0; r < kRegs; ++r) red[((rt * WK + wk) * kRegs + r) * kWarp + lane] = to_bits(reg<NB>(v, r));
   __syncthreads();
   for (int i = threadIdx.x; i < RT * kRegs * kWarp; i += kThreads) {
     const int tile_rt = i / (kRegs * kWarp), r = (i / kWarp) % kRegs, l = i % kWarp;
     T sum = 0;
 #pragma unroll
-    for (int w = 0; w < WK; ++w) sum += value(red[((tile_rt * WK + w) * kRegs + r) * kWarp + l]);
-    const int blk = r / (4 * NB), nb = (r / 4) % NB, c = r % 4, g = l / 4, t = l % 4;
-    tile[(8 * nb + 2 * t + (c & 1)) * StreamStaging<NB, RT>::kPitch + 32 * tile_rt + 16 * blk + g + 8 * (c >> 1)] = sum;
+    for (int w = 0; w < WK; ++w) sum += from_bits<T>(red[((tile_rt * WK + w) * kRegs + r) * kWarp + l]);
+    tile[StreamStaging<NB, RT>::at(tile_rt, r, l)] = sum;
   }
   __syncthreads();  // the tile is whole (and the buffer free again)
 }
@@ -308,17 +324,12 @@ __device__ __forceinline__ int* reduce_k_slices_to_tile(int (&acc)[2][NB][4], fl
       if constexpr (OUTLIERS) reduce_k_slices<NB, RT, WK>(sparse, smem, rt, wk, lane);
     }
     if (holds) {
-      const int g = lane / 4, t = lane % 4;
 #pragma unroll
-      for (int blk = 0; blk < 2; ++blk)
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int at = (8 * nb + 2 * t + (r & 1)) * Tile::kPitch + 32 * rt + 16 * blk + g + 8 * (r >> 1);
-            tile[at] = acc[blk][nb][r];
-            if constexpr (OUTLIERS) sparse_tile[at] = sparse[blk][nb][r];
-          }
+      for (int i = 0; i < 8 * NB; ++i) {
+        const int at = Tile::at(rt, i, lane);
+        tile[at] = reg<NB>(acc, i);
+        if constexpr (OUTLIERS) sparse_tile[at] = reg<NB>(sparse, i);
+      }
     }
     __syncthreads();
   }
