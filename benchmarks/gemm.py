@@ -177,7 +177,9 @@ SMALL_SHAPES = [(8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336)]  # (N,
 SMALL_MS = [1, 8, 16, 32]
 
 
-W4_OPS = {"per_group": "w4a8_gemm_per_group", "per_channel": "w4a8_gemm_per_channel"}
+def w4_ops() -> dict:
+    """The W4A8 GEMM ops by kind (the per-channel one also takes the activations' row sums)."""
+    return {"per_group": torch.ops.qoqtool.w4a8_gemm_per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}
 
 
 def small_m_cases(g, ms=SMALL_MS):
@@ -195,7 +197,7 @@ def small_m_cases(g, ms=SMALL_MS):
 def explore_stream(g, group: int = GROUP) -> list[dict]:
     """The stream kernel's split counts for M <= 32, both W4 kinds, with cuBLAS bf16 in the same
     run: whether the plan's choice is the best one."""
-    op = {kind: getattr(torch.ops.qoqtool, name) for kind, name in W4_OPS.items()}
+    op = w4_ops()
     rows = []
     for n, k, m, acts, bf16, auto in small_m_cases(g):
         plans = [auto] + [cuda_ops.Plan(cuda_ops.STREAM, auto.tile, s) for s in (1, 2, 4, 8)]
@@ -219,7 +221,7 @@ def mode_ab(g, modes: dict, ms=SMALL_MS, group: int = GROUP) -> tuple[list[dict]
     on four shapes, both W4 kinds: the modes timed back to back for each choice, cuBLAS bf16
     in the same run. Where the plan picks another kernel (wgmma at M > 32, a 16-warp stream shape),
     it is timed once as the plan."""
-    op = {kind: getattr(torch.ops.qoqtool, name) for kind, name in W4_OPS.items()}
+    op = w4_ops()
     names = list(modes)
     rows, table = [], [f"us: the plan under {names[0]}, the best over splits [splits] per mode; x = bf16 / us",
                        f"{'kind':11s} {'M':>2} {'N x K':>11} | {'bf16':>6} | {'plan':>14} | "
@@ -261,7 +263,7 @@ def explore_wide(g, ms=(1, 8, 16)) -> tuple[list[dict], list[str]]:
     """The stream kernel's 16-warp CTA shapes (1 x 16 and 2 x 8 row tiles x k-slices, one CTA
     per SM) with 1, 2 or 4 K splits against the plan (8-warp CTAs, two per SM, its splits),
     for M in `ms` on four shapes, both W4 kinds; cuBLAS bf16 in the same run."""
-    op = {kind: getattr(torch.ops.qoqtool, name) for kind, name in W4_OPS.items()}
+    op = w4_ops()
     rows, table = [], ["us (x bf16): the plan; the best 16-warp shape [kernel, splits]",
                        f"{'kind':11s} {'M':>2} {'N x K':>11} | {'bf16':>6} | {'plan':>26} | {'best 16-warp':>30} | plan / best"]
     for n, k, m, acts, bf16, auto in small_m_cases(g, ms):

@@ -26,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gemm import bf16_us, copies_for, time_calls, w4_operands  # noqa: E402
+from gemm import bf16_us, copies_for, time_calls, w4_operands, w4_ops  # noqa: E402
 
 from qoqtool.runtime import cuda_ops  # noqa: E402
 
@@ -38,7 +38,7 @@ def timeline(n: int, k: int, m: int, kind: str, g, calls: int = 16) -> dict:
     sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
     plan = cuda_ops.PLAN_OVERRIDE or cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
     ctas = plan.grid_tiles(m, n // 32) * plan.splits
-    op = {"per_group": torch.ops.qoqtool.w4a8_gemm_per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}[kind]
+    op = w4_ops()[kind]
     x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
     x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
     acts = (x_q, x_scale) if kind == "per_group" else (x_q, x_scale, x_q.sum(1, dtype=torch.int32))

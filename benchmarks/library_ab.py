@@ -26,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gemm import W4_OPS, copies_for, small_m_cases, time_calls, w4_operands  # noqa: E402
+from gemm import copies_for, small_m_cases, time_calls, w4_operands, w4_ops  # noqa: E402
 from sparse_dense import SHAPES as SPARSE_SHAPES  # noqa: E402
 from sparse_dense import fused_op, make_outliers  # noqa: E402
 
@@ -56,7 +56,7 @@ def report(group: str, label: str, times: dict, bf16: float, rows: list[dict], *
 
 
 def gemm_cases(g, ms, paths, rows) -> None:
-    op = {kind: getattr(torch.ops.qoqtool, name) for kind, name in W4_OPS.items()}
+    op = w4_ops()
     for n, k, m, acts, bf16, plan in small_m_cases(g, ms):
         for kind in op:
             weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
