@@ -3,8 +3,11 @@
 # working tree's kernels) is tested, memchecked and timed against a baseline build in the same
 # process (benchmarks/library_ab.py), then its per-CTA timelines are taken.
 #
-#   [TABLES=1] bash benchmarks/gpu_ab_run.sh BASELINE.so.xz [OTHER.so.xz ...]
+#   [TABLES=1] [SD_EXPLORE=1] [AB_ARGS="--no-gemm"] bash benchmarks/gpu_ab_run.sh BASELINE.so.xz [OTHER.so.xz ...]
+#   bash benchmarks/gpu_ab_run.sh --tests-only      (the tests and memcheck of this tree's library only)
 #
+# AB_ARGS go to library_ab.py; SD_EXPLORE=1 adds benchmarks/sparse_dense.py --explore (the fused
+# kernel's CTA shapes x activation staging) for the candidate.
 # Each further library is a second baseline for the same candidate (a second A/B, ab-<name>.*).
 # Carry .kbuild (the candidate, prebuilt here with QOQTOOL_KERNEL_CACHE=$PWD/.kbuild python -m
 # qoqtool.kernels.build; one hash folder, ~40 MB) and the baseline library xz-compressed (~4.5 MB;
@@ -15,7 +18,7 @@ OUT=${OUT:-/tmp/ab_out}
 source benchmarks/gpu_stages.sh
 setup_machine 300
 unxz() { python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$1" "$2"; }
-unxz "${1:?baseline}" /tmp/baseline.so
+[ "${1:?baseline}" = --tests-only ] || unxz "$1" /tmp/baseline.so
 
 stage "tests"
 timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short --maxfail=15 tests/test_kernels_gemm.py \
@@ -24,18 +27,25 @@ timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short --maxfail
 stage "compute-sanitizer memcheck (every stream shape, split and unsplit; fused kernel)"
 SAN_IDS=$( (python3 -m pytest --collect-only -q tests/test_kernels_gemm.py | grep -E 'every_configuration_exact\[stream'
   python3 -m pytest --collect-only -q tests/test_sparse_dense_gpu.py |
-    grep -E "matches_dense_plus_sparse\[3-0.05-(1|33)-|full_and_empty_buckets\[3-5-" | grep -E "per_group-128|per_channel-0"
+    grep -E "matches_dense_plus_sparse\[3-0.05-(1|33)-|full_and_empty_buckets\[3-5-|cta_shape_and_staging\[full-and-empty-3-staged-(8|13)-" |
+    grep -E "per_group-128|per_channel-0"
 ) 2>/dev/null)
 memcheck 120 $SAN_IDS
+[ "$1" = --tests-only ] && exit
 
 stage "A/B against the baseline"
-timeout 240 python3 benchmarks/library_ab.py /tmp/baseline.so --json "$OUT/ab.json" 2>&1 | tee "$OUT/ab.txt" | tail -40
+timeout 240 python3 benchmarks/library_ab.py /tmp/baseline.so ${AB_ARGS:-} --json "$OUT/ab.json" 2>&1 | tee "$OUT/ab.txt" | tail -40
 for other in "${@:2}"; do
   name=$(basename "$other" .so.xz)
   stage "A/B against $name"
   unxz "$other" "/tmp/$name.so"
-  timeout 240 python3 benchmarks/library_ab.py "/tmp/$name.so" --json "$OUT/ab-$name.json" 2>&1 | tee "$OUT/ab-$name.txt" | tail -14
+  timeout 240 python3 benchmarks/library_ab.py "/tmp/$name.so" ${AB_ARGS:-} --json "$OUT/ab-$name.json" 2>&1 | tee "$OUT/ab-$name.txt" | tail -14
 done
+
+if [ -n "${SD_EXPLORE:-}" ]; then
+  stage "fused kernel: CTA shapes x staging (candidate)"
+  timeout 200 python3 benchmarks/sparse_dense.py --explore --json "$OUT/sd-explore.json" 2>&1 | tee "$OUT/sd-explore.txt" | tail -30
+fi
 
 stage "timelines (candidate)"
 timeout 60 python3 benchmarks/gemm_timeline.py --cases 4096:4096:16,8192:8192:16,4096:4096:1 --json "$OUT/timeline.json" \

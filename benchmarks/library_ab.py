@@ -9,7 +9,7 @@ GPU machine); the candidate defaults to the library of this checkout. Cases:
   * the W4A8 GEMM (both kinds) under the plan of this checkout, M in --ms on the four small
     shapes of benchmarks/gemm.py; a plan whose tile or kernel the baseline lacks fails there;
   * the fused sparse-dense GEMM (per group) at 1% uniform outliers, M in {8, 16}, on the six
-    shapes of benchmarks/sparse_dense.py (--no-fused skips them).
+    shapes of benchmarks/sparse_dense.py (--no-fused skips them; --no-gemm the dense cases).
 Each case is timed as benchmarks/gemm.py times (R calls on R weight copies in one CUDA graph,
 do_bench median) under baseline, candidate, baseline, candidate; each library's faster run is
 kept. Printed: both times, cuBLAS bf16 in the same run, and baseline / candidate (> 1: the
@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,16,32", help="GEMM token counts (default 1,8,16,32)")
     ap.add_argument("--fused-ms", default="8,16", help="fused sparse-dense token counts (default 8,16)")
     ap.add_argument("--no-fused", action="store_true", help="skip the fused sparse-dense cases")
+    ap.add_argument("--no-gemm", action="store_true", help="skip the dense GEMM cases")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -101,7 +102,8 @@ def main() -> None:
     paths = {"baseline": args.baseline, "candidate": args.candidate}
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []
-    gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows)
+    if not args.no_gemm:
+        gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows)
     if not args.no_fused:
         fused_cases(g, [int(m) for m in args.fused_ms.split(",")], paths, rows)
     print("\ngeometric mean of baseline / candidate (> 1: the candidate is faster)")

@@ -1,6 +1,6 @@
 """Fused sparse-dense W4A8 GEMM benchmark (issue 8, item 4, W4A8 part), one GPU.
 
-    python benchmarks/sparse_dense.py [--quick | --targets] [--kind per_group|per_channel] [--json PATH]
+    python benchmarks/sparse_dense.py [--quick | --targets | --explore] [--kind per_group|per_channel] [--json PATH]
 
 For M in {1, 8, 16, 32, 64} x outlier densities {0, 0.5, 1, 2, 5} % x the six (N, K) shapes
 of Llama-3-8B and Qwen2.5-14B, with two outlier patterns (uniform; column-clustered: the
@@ -276,10 +276,63 @@ def density_curve(rows) -> list[str]:
     return lines
 
 
+def explore(kind: str, g, rep_ms: int) -> list[dict]:
+    """--explore: the fused kernel's CTA shape and activation staging at the target points (six
+    shapes, M = 8 and 16, 0 and 1 % uniform outliers): the 8-warp plan and, where the plan has
+    one, the 16-warp plan, each with the activations staged and not, against the dense plan."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    modes = {"unstaged": cuda_ops.FUSED_STAGE_NEVER, "staged": cuda_ops.FUSED_STAGE_ALWAYS}
+    rows = []
+    for n, k in SHAPES:
+        copies = copies_for(n * k // 2, 8)
+        weights = [w4_operands(n, k, kind, g) for _ in range(copies)]
+        dense, fused = dense_op(kind, n), fused_op(kind, n)
+        sections = {d: [make_outliers(n, k, d, "uniform", g)[0] for _ in range(copies)] for d in (0.0, 0.01)}
+        for m in (8, 16):
+            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+            x_scale = (torch.rand(m, device="cuda", generator=g) * 0.02 + 0.01).half()
+            x_rowsum = x_q.sum(1, dtype=torch.int32)
+            dense_us, _ = time_calls([lambda w=w: dense(x_q, x_scale, x_rowsum, w) for w in weights], rep_ms)
+            plans = {cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False, wide=w) for w in (False, True)}
+            cells = []
+            for p in sorted(plans, key=lambda p: p.kernel):
+                for label, mode in modes.items():
+                    cuda_ops.set_fused_staging(mode)
+                    cuda_ops.PLAN_OVERRIDE = p
+                    for d, secs in sections.items():
+                        us, _ = time_calls([lambda w=w, s=s: fused(x_q, x_scale, x_rowsum, w, s) for w, s in zip(weights, secs)],
+                                           rep_ms)
+                        rows.append({"M": m, "N": n, "K": k, "kind": kind, "plan": p.name(), "staging": label,
+                                     "density": d, "fused_us": us, "dense_us": dense_us})
+                        cells.append(f"{p.name()} {label} {100 * d:.0f}%: {us:6.2f} ({us / dense_us:.2f}x)")
+                    cuda_ops.PLAN_OVERRIDE = None
+            cuda_ops.set_fused_staging()
+            print(f"M={m:2d} {n:5d}x{k:<5d} dense {dense_us:6.2f} us | " + " | ".join(cells), flush=True)
+        del weights, sections
+        torch.cuda.empty_cache()
+    return rows
+
+
+def explore_summary(rows) -> list[str]:
+    """Per (M, density, plan shape, staging): the geometric mean of fused / dense over the shapes
+    where that choice exists, and how often it was the fastest fused choice."""
+    lines = ["fused / dense-only, geometric mean over the shapes with that choice (fastest: shapes where it won)"]
+    keys = sorted({(r["M"], r["density"], r["plan"].split()[0], r["staging"]) for r in rows})
+    for m, d, shape, staging in keys:
+        sel = [r for r in rows if (r["M"], r["density"], r["plan"].split()[0], r["staging"]) == (m, d, shape, staging)]
+        wins = sum(r["fused_us"] == min(o["fused_us"] for o in rows if (o["M"], o["N"], o["K"], o["density"])
+                                          == (r["M"], r["N"], r["K"], r["density"])) for r in sel)
+        lines.append(f"  M={m:2d} {100 * d:.0f}% {shape:11s} {staging:9s}: {geomean(r['fused_us'] / r['dense_us'] for r in sel):.3f}"
+                     f"  (fastest in {wins} of {len(sel)})")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 shapes, M in {1, 16}, 0 and 1%% uniform; sections validated")
     ap.add_argument("--targets", action="store_true", help="the issue's target points only: 6 shapes, M in {8, 16}, 0 and 1%%")
+    ap.add_argument("--explore", action="store_true",
+                    help="the fused kernel's CTA shapes x activation staging at the target points (no unfused, no bf16)")
     ap.add_argument("--kind", choices=["per_group", "per_channel", "w4a16"], default="per_group",
                     help="W4A8 progressive g128 or per-channel, or W4A16 with fp16 group-128 scales")
     ap.add_argument("--global-activations", action="store_true",
@@ -296,6 +349,17 @@ def main() -> None:
     SPMM_DTYPE = choose_spmm_dtype()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  kind {args.kind}  "
           f"unfused SpMM in {SPMM_DTYPE}", flush=True)
+    if args.explore:
+        if args.kind == "w4a16":
+            sys.exit("--explore times the W4A8 fused kernel: --kind per_group or per_channel")
+        rows = explore(args.kind, g, 25)
+        summary = explore_summary(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "kind": args.kind, "rows": rows, "summary": summary}, f,
+                          indent=1)
+        print("\n" + "\n".join(summary))
+        return
     if args.quick:
         shapes, ms, densities, patterns, rep_ms = SHAPES[:2], [1, 16], [0.0, 0.01], ["uniform"], 40
     elif args.targets:

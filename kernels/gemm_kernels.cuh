@@ -79,6 +79,18 @@ inline bool& stage_activations() {
 }
 constexpr int kStageMinM = 8;
 
+// When the fused sparse-dense kernel stages its activations (only while stage_activations()
+// holds): never, with 16 tokens per CTA (NB = 2, M > 8; the default), or from M = kStageMinM
+// like the dense kernel (qoq_gemm_set_fused_staging; benchmarks/sparse_dense.py --explore).
+// Measured on the H200 at 1% outliers (six shapes, 8- and 16-warp CTAs): staged is 1.04x
+// faster at M = 16 (0.97-1.16x) and 5-10% slower at M = 8, where the outlier path's second
+// read of each B fragment costs more from shared memory than from registers.
+enum class FusedStaging : int { kNever = 0, kTwoBlocks = 1, kAlways = 2 };
+inline FusedStaging& fused_staging() {
+  static FusedStaging mode = FusedStaging::kTwoBlocks;
+  return mode;
+}
+
 // Where the stream kernel writes its CTAs' timelines (Params::trace; null: nowhere; set by
 // qoq_gemm_set_trace for benchmarks/gemm_timeline.py).
 inline unsigned long long*& trace_buffer() {
@@ -112,11 +124,12 @@ cudaError_t launch_stream_shape(const Params& p, cudaStream_t stream) {
     q.trace = trace_buffer();
     return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), q);
   };
+  bool stage = stage_activations() && p.M >= kStageMinM;
   if constexpr (OUTLIERS) {
-    return go(std::false_type{});  // (staged, the fused kernel was 8% slower at M = 8 and level at M = 16)
-  } else {
-    return stage_activations() && p.M >= kStageMinM ? go(std::true_type{}) : go(std::false_type{});
+    const FusedStaging mode = fused_staging();
+    stage = stage && (mode == FusedStaging::kAlways || (mode == FusedStaging::kTwoBlocks && NB >= 2));
   }
+  return stage ? go(std::true_type{}) : go(std::false_type{});
 }
 
 template <Kind K, int NB, bool OUTLIERS = false, int RT = 2, int WK = 4>
@@ -220,19 +233,32 @@ cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
-// The fused sparse-dense GEMM (W4A8 + Tile-COO outliers): the stream kernel only, NB = tile.
-// The wgmma kernel has no outlier path yet (qoqtool.runtime.packed_linear adds the outliers
-// after it). Needs an fp16 output and, with splits > 1, p.sparse_workspace.
+// The fused sparse-dense GEMM (W4A8 + Tile-COO outliers): the stream kernel's shapes only
+// (8 warps with NB = tile; 1 x 16 and 2 x 8 warps with NB = 1, 2). The wgmma kernel has no
+// outlier path yet (qoqtool.runtime.packed_linear adds the outliers after it). Needs an fp16
+// output and, with splits > 1, p.sparse_workspace.
 template <Kind K>
-cudaError_t launch_sparse_dense(const Params& p, int tile, cudaStream_t stream) {
+cudaError_t launch_sparse_dense(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > p.KT || p.out_i32 || p.NBk != ceil_div(p.KT * 32, kBucketK)) return cudaErrorInvalidValue;
   if (p.splits > 1 && p.sparse_workspace == nullptr) return cudaErrorInvalidValue;
-  switch (tile) {
-    case 1: return launch_stream<K, 1, true>(p, stream);
-    case 2: return launch_stream<K, 2, true>(p, stream);
-    case 4: return launch_stream<K, 4, true>(p, stream);
-    case 8: return launch_stream<K, 8, true>(p, stream);
+  if (kernel == static_cast<int>(KernelId::kStream)) {
+    switch (tile) {
+      case 1: return launch_stream<K, 1, true>(p, stream);
+      case 2: return launch_stream<K, 2, true>(p, stream);
+      case 4: return launch_stream<K, 4, true>(p, stream);
+      case 8: return launch_stream<K, 8, true>(p, stream);
+    }
+  } else if (kernel == static_cast<int>(KernelId::kStream1x16)) {
+    switch (tile) {
+      case 1: return launch_stream<K, 1, true, 1, 16>(p, stream);
+      case 2: return launch_stream<K, 2, true, 1, 16>(p, stream);
+    }
+  } else if (kernel == static_cast<int>(KernelId::kStream2x8)) {
+    switch (tile) {
+      case 1: return launch_stream<K, 1, true, 2, 8>(p, stream);
+      case 2: return launch_stream<K, 2, true, 2, 8>(p, stream);
+    }
   }
   return cudaErrorInvalidValue;
 }

@@ -12,9 +12,10 @@
 //                              Tile-COO (docs/tile-coo.md): the stream kernel's CTA of a row
 //                              tile also adds sum_k S[n, k] * xq[m, k] (fp32) of the buckets
 //                              of its k range, and the epilogue writes once
-//                              out = sx[m] * (sw[n] * acc + sparse); `tile` = NB of the
-//                              stream kernel (no wgmma path yet), `sparse_workspace` holds
-//                              [splits, M, NT*32] fp32 partials when splits > 1.
+//                              out = sx[m] * (sw[n] * acc + sparse); `kernel` one of
+//                              the stream kernel's CTA shapes and `tile` its NB (no wgmma
+//                              path yet), `sparse_workspace` holds [splits, M, NT*32] fp32
+//                              partials when splits > 1.
 //
 // The kernels, tile shapes and split-K live in gemm_kernels.cuh (and the files it includes);
 // the choice among them by M is qoqtool.runtime.cuda_ops.plan. `out_i32` writes the raw INT32
@@ -81,7 +82,7 @@ static void set_outliers(Params& p, __half* out, const void* tc_entries, const i
   p.NBk = qoq::ceil_div(p.Kp, qoq::gemm::kBucketK);
 }
 
-extern "C" int qoq_w4a8_sparse_dense_gemm_per_group(int tile, int splits, const int8_t* x, const __half* x_scale,
+extern "C" int qoq_w4a8_sparse_dense_gemm_per_group(int kernel, int tile, int splits, const int8_t* x, const __half* x_scale,
                                                     const uint8_t* qweight, const __half* scale0, const uint8_t* scale1,
                                                     const uint8_t* zero_x_scale1, const void* tc_entries,
                                                     const int32_t* tc_start, const int32_t* tc_count, __half* out,
@@ -90,10 +91,10 @@ extern "C" int qoq_w4a8_sparse_dense_gemm_per_group(int tile, int splits, const 
   Params p = progressive_params(x, x_scale, qweight, scale0, scale1, zero_x_scale1, M, N, Kp, group_shift, splits,
                                 workspace, counters);
   set_outliers(p, out, tc_entries, tc_start, tc_count, sparse_workspace);
-  return qoq::gemm::launch_sparse_dense<Kind::kProgressive>(p, tile, stream);
+  return qoq::gemm::launch_sparse_dense<Kind::kProgressive>(p, kernel, tile, stream);
 }
 
-extern "C" int qoq_w4a8_sparse_dense_gemm_per_channel(int tile, int splits, const int8_t* x, const __half* x_scale,
+extern "C" int qoq_w4a8_sparse_dense_gemm_per_channel(int kernel, int tile, int splits, const int8_t* x, const __half* x_scale,
                                                       const int32_t* x_rowsum, const uint8_t* qweight,
                                                       const __half* scale, const uint8_t* zero, const void* tc_entries,
                                                       const int32_t* tc_start, const int32_t* tc_count, __half* out,
@@ -101,7 +102,7 @@ extern "C" int qoq_w4a8_sparse_dense_gemm_per_channel(int tile, int splits, cons
                                                       int32_t* counters, cudaStream_t stream) {
   Params p = per_channel_params(x, x_scale, x_rowsum, qweight, scale, zero, M, N, Kp, splits, workspace, counters);
   set_outliers(p, out, tc_entries, tc_start, tc_count, sparse_workspace);
-  return qoq::gemm::launch_sparse_dense<Kind::kUInt4Channel>(p, tile, stream);
+  return qoq::gemm::launch_sparse_dense<Kind::kUInt4Channel>(p, kernel, tile, stream);
 }
 
 // Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
@@ -115,6 +116,14 @@ extern "C" int qoq_gemm_set_dependent_launch(int enabled) {
 // default) or loads them from global memory (gemm_kernels.cuh, stage_activations; benchmarks compare).
 extern "C" int qoq_gemm_set_stage_activations(int enabled) {
   qoq::gemm::stage_activations() = enabled != 0;
+  return cudaSuccess;
+}
+
+// When the fused sparse-dense kernel stages its activations: 0 never, 1 with 16 tokens per CTA
+// (the default), 2 from M = 8 (gemm_kernels.cuh, fused_staging; benchmarks compare).
+extern "C" int qoq_gemm_set_fused_staging(int mode) {
+  if (mode < 0 || mode > 2) return cudaErrorInvalidValue;
+  qoq::gemm::fused_staging() = static_cast<qoq::gemm::FusedStaging>(mode);
   return cudaSuccess;
 }
 

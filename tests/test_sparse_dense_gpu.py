@@ -5,7 +5,8 @@ Frobenius norm) of the float64 dense reference plus the float64 sparse reference
 sx[m] * sum_k S[n, k] xq[m, k], for progressive g64 / g128 and per-channel UINT4 weights,
 M in {1, 5, 8, 16, 33, 64}, shapes that divide no tile evenly, outlier densities 0 / 1 / 5 %,
 split-K forced off and on (3 splits, so that buckets straddle splits), a bucket with every
-slot filled and many empty buckets. Every check whose outliers are not empty first asserts
+slot filled and many empty buckets, every CTA shape (8 warps; 1 x 16 and 2 x 8 warps) with the
+activations staged in shared memory or not. Every check whose outliers are not empty first asserts
 that the sparse term is large enough for the check to fail without it. On failure the
 message names the first mismatching (m, n) and whether the sparse term there looks
 missing, doubled or otherwise wrong. CPU tests: the argument checks, which must refuse bad
@@ -109,18 +110,19 @@ def run_fused(kind, packed, tc, x_q, x_scale, x_rowsum, n) -> torch.Tensor:
     return out
 
 
-def stream_plan(m: int, splits: int) -> cuda_ops.Plan:
-    return cuda_ops.Plan(cuda_ops.STREAM, cuda_ops.stream_tile(m), splits)
+def stream_plan(m: int, splits: int, shape: int = cuda_ops.STREAM) -> cuda_ops.Plan:
+    return cuda_ops.Plan(shape, cuda_ops.stream_tile(m), splits)
 
 
-def check_fused(kind, group, m, n, k, density, splits, monkeypatch, **pattern) -> None:
+def check_fused(kind, group, m, n, k, density, splits, monkeypatch, shape=cuda_ops.STREAM, **pattern) -> None:
     w, packed, w8, sparse, tc = section(kind, group, n, k, density, **pattern)
     x_q, x_scale, x_rowsum = make_activations(m, k, w8.shape[1], seed=m)
     if splits is not None:
-        monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", stream_plan(m, splits))
+        monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", stream_plan(m, splits, shape))
     out = run_fused(kind, packed, tc, x_q, x_scale, x_rowsum, n)
     dense, sp = references(kind, w, w8, sparse, x_q, x_scale)
-    what = f"{kind} g{group} M={m} N={n} K={k} density={density} splits={splits} nnz={sparse.nnz}"
+    what = (f"{kind} g{group} M={m} N={n} K={k} density={density} {cuda_ops.KERNEL_NAMES[shape]} splits={splits} "
+            f"nnz={sparse.nnz}")
     assert not out.isnan().any(), f"{what}: an output was not written (or is NaN); {diagnose(out, dense, sp)}"
     ref = dense + sp
     if sparse.nnz:
@@ -167,6 +169,32 @@ def test_full_and_empty_buckets(kind, group, m, splits, monkeypatch):
     check_fused(kind, group, m, N, K, 0.02, splits, monkeypatch, full_bucket=True, empty_every_other=True)
 
 
+@pytest.fixture
+def fused_staging():
+    """Sets where the fused kernel stages its activations (cuda_ops.set_fused_staging) for one
+    test, and puts the default back after it."""
+    yield cuda_ops.set_fused_staging
+    cuda_ops.set_fused_staging()
+
+
+@on_gpu
+@pytest.mark.parametrize("kind,group", KINDS, ids=lambda v: str(v))
+@pytest.mark.parametrize("shape", [cuda_ops.STREAM, cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8],
+                         ids=lambda v: cuda_ops.KERNEL_NAMES[v])
+@pytest.mark.parametrize("m", [1, 8, 13, 16])
+@pytest.mark.parametrize("staged", [False, True], ids=["unstaged", "staged"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("pattern", ["1%", "full-and-empty"])
+def test_every_cta_shape_and_staging(kind, group, shape, m, staged, splits, pattern, monkeypatch, fused_staging):
+    """Every CTA shape of the fused kernel (8 warps; 1 x 16 and 2 x 8 warps, NB = 1 and 2),
+    with the activations staged in shared memory (from M = 8) or not. K = 3000: the warps walk
+    one or two chunks (16 warps: the second round leaves some warps idle; with 3 splits, some
+    warps get nothing); N = 1000: a partial row tile and CTA."""
+    fused_staging(cuda_ops.FUSED_STAGE_ALWAYS if staged else cuda_ops.FUSED_STAGE_NEVER)
+    extra = {"full_bucket": True, "empty_every_other": True} if pattern == "full-and-empty" else {}
+    check_fused(kind, group, m, N, 3000, 0.01, splits, monkeypatch, shape=shape, **extra)
+
+
 @on_gpu
 @pytest.mark.parametrize("kind,group", KINDS, ids=lambda v: str(v))
 @pytest.mark.parametrize("m", [1, 16, 64])
@@ -182,12 +210,12 @@ def test_no_outliers_is_the_dense_kernel_bit_for_bit(kind, group, m):
 
 
 @on_gpu
-def test_custom_ops_and_cuda_graph():
+def test_custom_ops_and_cuda_graph(monkeypatch):
     """The registered ops run the fused kernel, and a split-K launch replays correctly in a
     CUDA graph (its counters reset themselves; the fp32 partials are re-made each replay)."""
     kind, group, m = "per_group", 128, 1
     w, packed, w8, sparse, tc = section(kind, group, 4096, 4096, 0.01)
-    assert cuda_ops.plan(m, 4096 // 32, 4096 // 32, *cuda_ops._device_info(0)[:1], hopper=False, wide=False).splits > 1
+    monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", stream_plan(m, 4))  # (the plan itself takes unsplit 1 x 16 CTAs)
     x_q, x_scale, _ = make_activations(m, 4096, 4096)
     op = torch.ops.qoqtool.w4a8_sparse_dense_gemm_per_group
     op(x_q, x_scale, *packed, *tc, 4096)  # warm up outside the capture

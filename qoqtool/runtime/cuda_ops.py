@@ -47,14 +47,14 @@ _SIGNATURES = {
     "qoq_w4a8_gemm_per_channel": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
     # kernel, tile, splits, x, x_scale, qweight, scale, out, out_i32, M, N, Kp, ws, counters, stream
     "qoq_w8a8_gemm": [_I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
-    # tile, splits, x, x_scale, qweight, scale0, scale1, zxs1, tc_entries, tc_start, tc_count, out, M, N, Kp,
-    # group_shift, ws, sparse_ws, counters, stream
-    "qoq_w4a8_sparse_dense_gemm_per_group": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
-                                             _P, _P],
-    # tile, splits, x, x_scale, x_rowsum, qweight, scale, zero, tc_entries, tc_start, tc_count, out, M, N, Kp,
-    # ws, sparse_ws, counters, stream
-    "qoq_w4a8_sparse_dense_gemm_per_channel": [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P,
-                                               _P, _P],
+    # kernel, tile, splits, x, x_scale, qweight, scale0, scale1, zxs1, tc_entries, tc_start, tc_count, out, M, N,
+    # Kp, group_shift, ws, sparse_ws, counters, stream
+    "qoq_w4a8_sparse_dense_gemm_per_group": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P,
+                                             _P, _P, _P],
+    # kernel, tile, splits, x, x_scale, x_rowsum, qweight, scale, zero, tc_entries, tc_start, tc_count, out, M, N,
+    # Kp, ws, sparse_ws, counters, stream
+    "qoq_w4a8_sparse_dense_gemm_per_channel": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P,
+                                               _P, _P, _P],
     # tile, splits, x, qweight, scale, zero, out, M, N, Kp, group_shift, ws, float_ws, counters, stream
     "qoq_w4a16_gemm": [_I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P],
     # tile, splits, x, qweight, scale, zero, tc_entries, tc_start, tc_count, out, M, N, Kp, group_shift, ws,
@@ -64,6 +64,8 @@ _SIGNATURES = {
     "qoq_gemm_set_dependent_launch": [_I],
     # enabled
     "qoq_gemm_set_stage_activations": [_I],
+    # mode (FUSED_STAGING_*)
+    "qoq_gemm_set_fused_staging": [_I],
     # trace buffer (or NULL)
     "qoq_gemm_set_trace": [_P],
     # x, M, K, Kp, x_q, x_scale, x_rowsum, stream
@@ -231,6 +233,19 @@ def set_stage_activations(enabled: bool = True) -> None:
     fragments from global memory, for the whole process (default: yes; measured 1.15-1.6x
     faster at M = 16 and 32 on the H200). benchmarks/gemm.py --stage-ab times both."""
     _call("qoq_gemm_set_stage_activations", int(enabled))
+
+
+FUSED_STAGE_NEVER, FUSED_STAGE_TWO_BLOCKS, FUSED_STAGE_ALWAYS = 0, 1, 2  # FusedStaging of gemm_kernels.cuh
+
+
+def set_fused_staging(mode: int = FUSED_STAGE_TWO_BLOCKS) -> None:
+    """When the fused sparse-dense kernel stages its activations in shared memory (only while
+    set_stage_activations holds), for the whole process: never, with 16 tokens per CTA (M > 8;
+    the default, measured 1.04x faster there and 5-10% slower at M = 8), or from M = 8 like the
+    dense kernel. benchmarks/sparse_dense.py --explore times the choices."""
+    if mode not in (FUSED_STAGE_NEVER, FUSED_STAGE_TWO_BLOCKS, FUSED_STAGE_ALWAYS):
+        raise ValueError(f"fused staging mode {mode!r}: 0 (never), 1 (16 tokens per CTA) or 2 (from M = 8)")
+    _call("qoq_gemm_set_fused_staging", mode)
 
 
 TRACE_WORDS = 8  # kTraceWords of kernels/gemm_common.cuh: the int64 words of one CTA's timeline
@@ -457,14 +472,16 @@ _SPARSE_DENSE_ENTRY = {"per_group": "qoq_w4a8_sparse_dense_gemm_per_group",
                        "per_channel": "qoq_w4a8_sparse_dense_gemm_per_channel"}
 
 
-def _stream_only_plan(m: int, n_tiles: int, kp: int, device, what: str) -> tuple[Plan, list[Tensor | None]]:
+def _stream_only_plan(m: int, n_tiles: int, kp: int, device, what: str,
+                      wide: bool = False) -> tuple[Plan, list[Tensor | None]]:
     """For the GEMMs that exist only on the stream kernel (fused sparse-dense, W4A16): its plan
-    as on a GPU without wgmma (PLAN_OVERRIDE may force tile and splits, not another kernel), and
-    the split-K buffers: INT32 workspace, fp32 partials, counters."""
+    as on a GPU without wgmma, with the 16-warp CTA shapes if `wide` (PLAN_OVERRIDE may force
+    tile, splits and those shapes, not another kernel), and the split-K buffers: INT32
+    workspace, fp32 partials, counters."""
     sms, _ = _device_info(device.index)
-    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False, wide=False)
-    if p.kernel != STREAM:
-        raise ValueError(f"{what} runs on the stream kernel only")
+    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper=False, wide=wide)
+    if p.kernel not in ((STREAM, STREAM_1X16, STREAM_2X8) if wide else (STREAM,)):
+        raise ValueError(f"{what} runs on the stream kernel only" + (" (8 or 16 warps)" if wide else " (8 warps)"))
     return p, _split_buffers(p, m, n_tiles, device, partials=(torch.int32, torch.float32))
 
 
@@ -474,8 +491,8 @@ def run_sparse_dense_gemm(kind: str, *operands: Tensor, tc: tuple[Tensor, Tensor
 
     kind: "per_group" | "per_channel", operands as for run_gemm; tc = (tc_entries, tc_start,
     tc_count) of a section that passed tile_coo.validate. Always the stream kernel (the plan
-    as on a GPU without wgmma); PLAN_OVERRIDE may force its tile and splits, not the wgmma
-    kernel. fp16 output only.
+    as on a GPU without wgmma, 16-warp CTAs included); PLAN_OVERRIDE may force its shape, tile
+    and splits, not the wgmma kernel. fp16 output only.
     """
     if kind not in ("per_group", "per_channel"):
         raise ValueError(f"the fused sparse-dense GEMM exists for per_group and per_channel W4A8, not {kind!r}")
@@ -490,8 +507,8 @@ def run_sparse_dense_gemm(kind: str, *operands: Tensor, tc: tuple[Tensor, Tensor
     out = _output(x_q, out, out_features, torch.float16)
     if m == 0:
         return out
-    p, split = _stream_only_plan(m, n_tiles, kp, x_q.device, "the fused sparse-dense GEMM")
-    _call(_SPARSE_DENSE_ENTRY[kind], p.tile, p.splits, *map(kl.ptr, operands), *map(kl.ptr, tc),
+    p, split = _stream_only_plan(m, n_tiles, kp, x_q.device, "the fused sparse-dense GEMM", wide=True)
+    _call(_SPARSE_DENSE_ENTRY[kind], p.kernel, p.tile, p.splits, *map(kl.ptr, operands), *map(kl.ptr, tc),
           kl.ptr(out), m, out_features, kp, *tail, *map(_ptr, split), kl.stream_of(x_q))
     return out
 
