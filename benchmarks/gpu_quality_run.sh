@@ -86,7 +86,7 @@ through_kernels() {  # a packed folder on CUDA (kernels) against its quantized f
   done
 }
 
-# JOBS="outliers-kernels defaults recipe:qoq-w4a8kv4-chn recipe:qoq-w4a8kv4-g64@128x1024 seeds:qoq-w4a8kv4-g64@128x1024:0,1,2"
+# JOBS="outliers-kernels defaults decode recipe:qoq-w4a8kv4-chn recipe:qoq-w4a8kv4-g64@128x1024 seeds:qoq-w4a8kv4-g64@128x1024:0,1,2"
 # runs only those
 # (at most two or three per call, see above).
 if [ -n "${JOBS:-}" ]; then
@@ -112,6 +112,31 @@ if [ -n "${JOBS:-}" ]; then
         # the same with the exact reference linears (fp32, on the GPU) and the paged KV4 kernels only
         timeout 90 python3 -m qoqtool.runtime.generate /tmp/q/qoq-w4a8kv4-g128 --steps 32 2>&1 | tail -30
       ) > "$L/defaults.log" 2>&1 & ;;
+      decode) (  # perplexity by decoding (qoqtool eval --decode-batch 16; 16 windows of DECODE_SEQLEN, default
+                 # 256 tokens: a decode step of the packed model took 75-100 ms there, Python-bound): every GEMM
+                 # at M = 16 - the stream kernels, with 1 % outliers the fused sparse-dense kernel - and KV4
+                 # decode attention, against the reference path on the same windows, whole and by decoding
+                 # (fp32 linears on the GPU); DECODE_UNFUSED=1 adds the dense kernel + the separate product
+        W=(--tasks wikitext2 --data-dir "$D" --device cuda --seqlen "${DECODE_SEQLEN:-256}" --max-windows 16 -q)
+        chain() {  # $1 = name, then extra quantize options
+          local q=/tmp/q/decode-$1; shift
+          date +%T
+          qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 "$@" --calib wikitext2 --data-dir "$D" --device cuda \
+            -o "$q" -q --overwrite > /dev/null 2>&1
+          date +%T
+          qoqtool pack "$q" -o "$q-packed" --overwrite > /dev/null 2>&1
+          timeout 100 qoqtool eval "$q" "${W[@]}" --json "$OUT/decode-reference-whole-$(basename "$q").json" 2>&1 | tail -2
+          timeout 200 qoqtool eval "$q-packed" "${W[@]}" --decode-batch 16 --json "$OUT/decode-kernels-$(basename "$q").json" 2>&1 | tail -2
+          if [ "$(basename "$q")" = decode-outliers1 ] && [ -n "${DECODE_UNFUSED:-}" ]; then
+            QOQTOOL_FUSED_OUTLIERS=0 timeout 200 qoqtool eval "$q-packed" "${W[@]}" --decode-batch 16 \
+              --json "$OUT/decode-kernels-unfused-$(basename "$q").json" 2>&1 | tail -2
+          fi
+          timeout 200 qoqtool eval "$q" "${W[@]}" --decode-batch 16 --json "$OUT/decode-reference-$(basename "$q").json" 2>&1 | tail -2
+        }
+        chain g128 > "$L/decode-g128.log" 2>&1 &
+        chain outliers1 --outliers 1% > "$L/decode-outliers1.log" 2>&1 &
+        wait
+      ) > "$L/decode.log" 2>&1 & ;;
       recipe:*) (  # recipe:NAME[@SAMPLESxSEQLEN]: quantize on the GPU (timed; that calibration, default
                    # 64x512), then the reference path and the kernels. NAME may be a recipe file.
         spec=${job#recipe:}; r=${spec%@*}; calib=()

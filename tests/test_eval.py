@@ -48,12 +48,43 @@ def test_perplexity_matches_a_direct_computation():
     assert res["ppl"] == pytest.approx(float(torch.exp(torch.tensor(nll / (3 * 31)))), rel=1e-6)
 
 
+@pytest.mark.parametrize("kv_bits", [16, 4])
+@pytest.mark.parametrize("decode_batch", [1, 2, 3])
+def test_perplexity_by_decoding_is_the_same_score(kv_bits, decode_batch):
+    """--decode-batch scores the same windows token by token through the paged KV cache (its
+    torch path on the CPU): the same perplexity as the full-window forward pass, up to float
+    rounding (with KV4, both quantize each token's K and V alike), for any batching of the
+    windows (3 windows in batches of 1, 2 + 1, 3). (The random model is confidently wrong,
+    perplexity ~5e5, which magnifies any difference.)"""
+    from qoqtool.runtime.attention import enable_kv_quantization
+    from tests.test_kv_cache import tiny_decoder  # head_dim 64, as the paged cache needs
+
+    model = tiny_decoder("llama", seed=7)
+    if kv_bits < 16:
+        enable_kv_quantization(model, kv_bits)
+    ids = torch.randint(0, 512, (3 * 32 + 5,), generator=torch.Generator().manual_seed(0))
+    full = perplexity(model, ids, seqlen=32)
+    steps = []
+    decoded = perplexity(model, ids, seqlen=32, decode_batch=decode_batch, progress=lambda *a: steps.append(a))
+    assert decoded["windows"] == 3 and decoded["decode_batch"] == decode_batch
+    # (an fp16 cache, KV16, rounds the K/V the fp32 forward pass keeps exact: looser there)
+    assert decoded["ppl"] == pytest.approx(full["ppl"], rel=1e-5 if kv_bits < 16 else 5e-4)
+    assert steps[-1] == ("decode steps", -(-3 // decode_batch) * 31, -(-3 // decode_batch) * 31)
+    if kv_bits < 16:  # KV4 is really in both paths: without it the score moves
+        plain = tiny_decoder("llama", seed=7)
+        assert abs(perplexity(plain, ids, seqlen=32)["ppl"] / full["ppl"] - 1) > 1e-4
+
+
 def test_perplexity_rejects_bad_arguments():
     model = tiny_model("llama")
     with pytest.raises(UserError, match="fewer than one"):
         perplexity(model, torch.arange(10), seqlen=32)
     with pytest.raises(UserError, match="--max-windows"):
         perplexity(model, torch.arange(100) % 128, seqlen=32, max_windows=0)
+    with pytest.raises(UserError, match="--decode-batch"):
+        perplexity(model, torch.arange(100) % 128, seqlen=32, decode_batch=0)
+    with pytest.raises(UserError, match="head_dim 64 and 128, not 16.*--decode-batch"):  # (tiny_model: head_dim 16)
+        perplexity(model, torch.arange(100) % 128, seqlen=32, decode_batch=2)
 
 
 def test_fidelity_is_zero_against_itself_and_positive_against_a_quantized_copy():

@@ -179,6 +179,11 @@ def evaluate(
     tasks: str = typer.Option("wikitext2", "--tasks", "-t", help="Comma-separated tasks (see below)."),
     seqlen: int = typer.Option(2048, "--seqlen", help="Perplexity window length."),
     max_windows: Optional[int] = typer.Option(None, "--max-windows", help="Score only the first N windows."),
+    decode_batch: Optional[int] = typer.Option(
+        None, "--decode-batch",
+        help="Perplexity by decoding: N windows at a time, token by token through the paged KV cache, so every "
+             "linear sees N tokens (on a GPU: the small-M and fused sparse-dense GEMM kernels and KV decode "
+             "attention). Same windows and score; seqlen times as many steps."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="QOQTOOL_DATA_DIR", help="Local copies of the data sets."),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     fidelity_samples: int = typer.Option(8, "--fidelity-samples", help="Held-out sequences for the fidelity task."),
@@ -204,6 +209,8 @@ def evaluate(
       qoqtool eval smol-qoq --tasks wikitext2,fidelity --max-windows 20 --json results.json
 
       qoqtool eval smollm2-135m smol-qoq --tasks wikitext2 --max-windows 20
+
+      qoqtool eval smol-qoq-packed --device cuda --decode-batch 16 --max-windows 32
     """
     ui.reserve_stdout(json_out)
     from qoqtool.eval.runner import run_eval
@@ -222,9 +229,12 @@ def evaluate(
         limit=limit,
         batch_size=batch_size,
         num_fewshot=num_fewshot,
+        decode_batch=decode_batch,
     )
     if max_windows is not None and max_windows < 1:
         raise UserError(f"--max-windows must be at least 1 (got {max_windows})")
+    if decode_batch is not None and decode_batch < 1:
+        raise UserError(f"--decode-batch must be at least 1 (got {decode_batch})")
     if fidelity_samples < 1 or fidelity_seqlen < 8:
         raise UserError("--fidelity-samples must be >= 1 and --fidelity-seqlen >= 8")
     check_task_data(task_list, settings)

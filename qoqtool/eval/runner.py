@@ -35,7 +35,7 @@ def evaluate_model(
         ids = wikitext2_test_ids(loaded.tokenizer, settings.data_dir)
         t0 = time.perf_counter()
         with ui.progress_bar(f"wikitext2 {label}", show_progress) as bar:
-            res = perplexity(loaded.model, ids, settings.seqlen, settings.max_windows, bar)
+            res = perplexity(loaded.model, ids, settings.seqlen, settings.max_windows, bar, settings.decode_batch)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         results["wikitext2"] = res
     if "fidelity" in tasks:

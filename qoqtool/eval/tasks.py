@@ -27,6 +27,7 @@ class EvalSettings:
     limit: int | None = None
     batch_size: int = 16
     num_fewshot: int = 0
+    decode_batch: int | None = None  # wikitext2 by teacher-forced decoding, this many windows at a time
 
 
 def zero_shot_tasks() -> tuple[str, ...]:

@@ -137,6 +137,32 @@ def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits
 
 
 @torch.no_grad()
+def score_paged(model, windows: torch.Tensor, page_size: int = 64, use_kernels: bool | None = None,
+                progress=None) -> float:
+    """The summed negative log-likelihood of windows [B, T] (token t + 1 given tokens 0..t, the
+    first token context only), scored by teacher-forced decoding: all B windows advance one
+    token per step through a paged KV cache of the model's own KV bits, so every linear sees
+    B tokens and attention runs the decode path - the serving regime, where a packed model on a
+    GPU runs the small-M stream and fused sparse-dense GEMM kernels and the KV decode kernel.
+    Per-token KV quantization makes this the same model as the full-window forward pass; the
+    two differ by rounding only. progress(done_steps, steps) after each step."""
+    adapter = ModelAdapter(model)
+    device = adapter.embed_tokens.weight.device
+    batch, steps = windows.shape
+    layout = KVCacheLayout(model_kv_bits(model), adapter.head_dim, adapter.num_kv_heads, page_size)
+    cache = PagedKVCache(layout, adapter.num_layers, pages_needed([steps] * batch, page_size), device, use_kernels)
+    seqs = [cache.add_sequence() for _ in range(batch)]
+    windows = windows.to(device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for t in range(steps - 1):
+        logits = _decode_step(adapter, cache, seqs, windows[:, t])
+        total += F.cross_entropy(logits, windows[:, t + 1], reduction="sum").double()
+        if progress:
+            progress(t + 1, steps - 1)
+    return float(total)
+
+
+@torch.no_grad()
 def generate_reference(model, prompts: list[list[int]], max_new_tokens: int, keep_logits: bool = False) -> Generation:
     """Greedy decoding through model(...) on the whole sequence at every step, one prompt at a time."""
     device = next(model.parameters()).device
