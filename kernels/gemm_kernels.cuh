@@ -201,66 +201,55 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
   return launch_maybe_pdl(wgmma_kernel<K, WGS>, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), p, maps);
 }
 
+// One of the stream kernel's CTA shapes by kernel id (kStream: 8 warps, NB = tile in 1, 2, 4, 8;
+// kStream1x16 / kStream2x8: 16 warps, NB = 1, 2), dense or fused with the outliers.
+template <Kind K, bool OUTLIERS>
+cudaError_t launch_stream_kernel(const Params& p, int kernel, int tile, cudaStream_t stream) {
+  if (kernel == static_cast<int>(KernelId::kStream)) {
+    switch (tile) {
+      case 1: return launch_stream<K, 1, OUTLIERS>(p, stream);
+      case 2: return launch_stream<K, 2, OUTLIERS>(p, stream);
+      case 4: return launch_stream<K, 4, OUTLIERS>(p, stream);
+      case 8: return launch_stream<K, 8, OUTLIERS>(p, stream);
+    }
+  } else if (kernel == static_cast<int>(KernelId::kStream1x16)) {
+    switch (tile) {
+      case 1: return launch_stream<K, 1, OUTLIERS, 1, 16>(p, stream);
+      case 2: return launch_stream<K, 2, OUTLIERS, 1, 16>(p, stream);
+    }
+  } else if (kernel == static_cast<int>(KernelId::kStream2x8)) {
+    switch (tile) {
+      case 1: return launch_stream<K, 1, OUTLIERS, 2, 8>(p, stream);
+      case 2: return launch_stream<K, 2, OUTLIERS, 2, 8>(p, stream);
+    }
+  }
+  return cudaErrorInvalidValue;
+}
+
 // kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),
 // wgmma with WGS = tile (1, 2), the 16-warp stream shapes with NB = tile (1, 2).
 template <Kind K>
 cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > p.KT) return cudaErrorInvalidValue;
-  if (kernel == static_cast<int>(KernelId::kStream)) {
-    switch (tile) {
-      case 1: return launch_stream<K, 1>(p, stream);
-      case 2: return launch_stream<K, 2>(p, stream);
-      case 4: return launch_stream<K, 4>(p, stream);
-      case 8: return launch_stream<K, 8>(p, stream);
-    }
-  } else if (kernel == static_cast<int>(KernelId::kWgmma)) {
-    switch (tile) {
-      case 1: return launch_wgmma<K, 1>(p, stream);
-      case 2: return launch_wgmma<K, 2>(p, stream);
-    }
-  } else if (kernel == static_cast<int>(KernelId::kStream1x16)) {
-    switch (tile) {
-      case 1: return launch_stream<K, 1, false, 1, 16>(p, stream);
-      case 2: return launch_stream<K, 2, false, 1, 16>(p, stream);
-    }
-  } else if (kernel == static_cast<int>(KernelId::kStream2x8)) {
-    switch (tile) {
-      case 1: return launch_stream<K, 1, false, 2, 8>(p, stream);
-      case 2: return launch_stream<K, 2, false, 2, 8>(p, stream);
-    }
+  if (kernel != static_cast<int>(KernelId::kWgmma)) return launch_stream_kernel<K, false>(p, kernel, tile, stream);
+  switch (tile) {
+    case 1: return launch_wgmma<K, 1>(p, stream);
+    case 2: return launch_wgmma<K, 2>(p, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 // The fused sparse-dense GEMM (W4A8 + Tile-COO outliers): the stream kernel's shapes only
-// (8 warps with NB = tile; 1 x 16 and 2 x 8 warps with NB = 1, 2). The wgmma kernel has no
-// outlier path yet (qoqtool.runtime.packed_linear adds the outliers after it). Needs an fp16
-// output and, with splits > 1, p.sparse_workspace.
+// (launch_stream_kernel). The wgmma kernel has no outlier path yet
+// (qoqtool.runtime.packed_linear adds the outliers after it). Needs an fp16 output and, with
+// splits > 1, p.sparse_workspace.
 template <Kind K>
 cudaError_t launch_sparse_dense(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > p.KT || p.out_i32 || p.NBk != ceil_div(p.KT * 32, kBucketK)) return cudaErrorInvalidValue;
   if (p.splits > 1 && p.sparse_workspace == nullptr) return cudaErrorInvalidValue;
-  if (kernel == static_cast<int>(KernelId::kStream)) {
-    switch (tile) {
-      case 1: return launch_stream<K, 1, true>(p, stream);
-      case 2: return launch_stream<K, 2, true>(p, stream);
-      case 4: return launch_stream<K, 4, true>(p, stream);
-      case 8: return launch_stream<K, 8, true>(p, stream);
-    }
-  } else if (kernel == static_cast<int>(KernelId::kStream1x16)) {
-    switch (tile) {
-      case 1: return launch_stream<K, 1, true, 1, 16>(p, stream);
-      case 2: return launch_stream<K, 2, true, 1, 16>(p, stream);
-    }
-  } else if (kernel == static_cast<int>(KernelId::kStream2x8)) {
-    switch (tile) {
-      case 1: return launch_stream<K, 1, true, 2, 8>(p, stream);
-      case 2: return launch_stream<K, 2, true, 2, 8>(p, stream);
-    }
-  }
-  return cudaErrorInvalidValue;
+  return launch_stream_kernel<K, true>(p, kernel, tile, stream);
 }
 
 }  // namespace qoq::gemm
