@@ -119,19 +119,19 @@ if [ -n "${JOBS:-}" ]; then
                  # (fp32 linears on the GPU); DECODE_UNFUSED=1 adds the dense kernel + the separate product
         W=(--tasks wikitext2 --data-dir "$D" --device cuda --seqlen "${DECODE_SEQLEN:-256}" --max-windows 16 -q)
         chain() {  # $1 = name, then extra quantize options
-          local q=/tmp/q/decode-$1; shift
+          local name=decode-$1 q=/tmp/q/decode-$1; shift
           date +%T
           qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 "$@" --calib wikitext2 --data-dir "$D" --device cuda \
             -o "$q" -q --overwrite > /dev/null 2>&1
           date +%T
           qoqtool pack "$q" -o "$q-packed" --overwrite > /dev/null 2>&1
-          timeout 100 qoqtool eval "$q" "${W[@]}" --json "$OUT/decode-reference-whole-$(basename "$q").json" 2>&1 | tail -2
-          timeout 200 qoqtool eval "$q-packed" "${W[@]}" --decode-batch 16 --json "$OUT/decode-kernels-$(basename "$q").json" 2>&1 | tail -2
-          if [ "$(basename "$q")" = decode-outliers1 ] && [ -n "${DECODE_UNFUSED:-}" ]; then
+          timeout 100 qoqtool eval "$q" "${W[@]}" --json "$OUT/decode-reference-whole-$name.json" 2>&1 | tail -2
+          timeout 200 qoqtool eval "$q-packed" "${W[@]}" --decode-batch 16 --json "$OUT/decode-kernels-$name.json" 2>&1 | tail -2
+          if [ "$name" = decode-outliers1 ] && [ -n "${DECODE_UNFUSED:-}" ]; then
             QOQTOOL_FUSED_OUTLIERS=0 timeout 200 qoqtool eval "$q-packed" "${W[@]}" --decode-batch 16 \
-              --json "$OUT/decode-kernels-unfused-$(basename "$q").json" 2>&1 | tail -2
+              --json "$OUT/decode-kernels-unfused-$name.json" 2>&1 | tail -2
           fi
-          timeout 200 qoqtool eval "$q" "${W[@]}" --decode-batch 16 --json "$OUT/decode-reference-$(basename "$q").json" 2>&1 | tail -2
+          timeout 200 qoqtool eval "$q" "${W[@]}" --decode-batch 16 --json "$OUT/decode-reference-$name.json" 2>&1 | tail -2
         }
         chain g128 > "$L/decode-g128.log" 2>&1 &
         chain outliers1 --outliers 1% > "$L/decode-outliers1.log" 2>&1 &
