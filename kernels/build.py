@@ -40,6 +40,11 @@ NVCC_FLAGS = [
     "-std=c++17",
     "--use_fast_math",
     "-Xcompiler=-fPIC",
+    # Function-local statics of inline functions (the launch settings: dependent launch,
+    # staging, trace buffer) would otherwise be STB_GNU_UNIQUE, i.e. ONE per process: a second
+    # build of this library loaded beside the first (benchmarks/library_ab.py) used the first
+    # one's settings and defaults, not its own.
+    "-Xcompiler=-fno-gnu-unique",
     "-Xptxas=-warn-spills",
     "--expt-relaxed-constexpr",
     "-lineinfo",

@@ -69,8 +69,7 @@ inline bool& dependent_launch() {
 // Whether the dense stream kernel copies each chunk's activations into shared memory with
 // 16-byte cp.async (STAGE, at M >= kStageMinM) instead of loading its B fragments straight
 // from global memory (on by default; qoq_gemm_set_stage_activations turns it off for
-// benchmarks). The fused sparse-dense kernel never stages: its outlier work, not the
-// activation loads, limits it.
+// benchmarks). The fused sparse-dense kernel stages by fused_staging().
 // Measured on the H200 (benchmarks/gemm.py --stage-ab): 1.15-1.6x faster at M = 16 and 32,
 // 0.98-1.07x at M = 8, 0.93-1.0x at M = 2 and 4, where the fragment loads touch few rows.
 inline bool& stage_activations() {
@@ -80,14 +79,14 @@ inline bool& stage_activations() {
 constexpr int kStageMinM = 8;
 
 // When the fused sparse-dense kernel stages its activations (only while stage_activations()
-// holds): never, with 16 tokens per CTA (NB = 2, M > 8; the default), or from M = kStageMinM
-// like the dense kernel (qoq_gemm_set_fused_staging; benchmarks/sparse_dense.py --explore).
-// Measured on the H200 at 1% outliers (six shapes, 8- and 16-warp CTAs): staged is 1.04x
-// faster at M = 16 (0.97-1.16x) and 5-10% slower at M = 8, where the outlier path's second
-// read of each B fragment costs more from shared memory than from registers.
+// holds): never, with 16 tokens per CTA (NB = 2, M > 8), or from M = kStageMinM like the dense
+// kernel (the default) (qoq_gemm_set_fused_staging; benchmarks/sparse_dense.py --explore).
+// Measured on the H200 at 1% outliers (six shapes, 8- and 16-warp CTAs), with the compact
+// outlier path, which gathers its activations from the staged chunk or else through L1:
+// staged is faster at M = 8 (fused / dense 1.65-1.83 against 1.81-2.00 unstaged) and at M = 16.
 enum class FusedStaging : int { kNever = 0, kTwoBlocks = 1, kAlways = 2 };
 inline FusedStaging& fused_staging() {
-  static FusedStaging mode = FusedStaging::kTwoBlocks;
+  static FusedStaging mode = FusedStaging::kAlways;
   return mode;
 }
 
@@ -100,8 +99,9 @@ inline unsigned long long*& trace_buffer() {
 
 // Stream-kernel shapes by tokens per CTA (8*NB): RT row tiles x WK k-slices = 8 warps;
 // U k-tiles in flight per warp, fewer when the accumulators grow.
-// OUTLIERS: chunks of 4 k-tiles (2 buckets; 8 KB of bucket tiles per warp, 64 KB per CTA) keep
-// the outlier registers and two CTAs per SM within budget at NB <= 2.
+// OUTLIERS: the same chunks (one chunk per warp of the 16-warp CTAs at K = 4096, like the
+// dense kernel; with chunks of 4 k-tiles the second chunk's weights were requested only after
+// the first was multiplied).
 // Progressive weights at NB <= 2 fold a group every GKc = min(group k-tiles, 4, U) k-tiles;
 // with one-k-tile groups (g32) and NB = 2 the chunk is halved, so that its per-k-tile
 // parameter words fit beside the partial sums.
@@ -109,7 +109,7 @@ inline unsigned long long*& trace_buffer() {
 // while one multiplies, with U or U / 2 k-tiles - within +-5% of this, better or worse by shape.)
 template <Kind K, int NB, bool OUTLIERS, int GKc, int RT = 2, int WK = 4>
 cudaError_t launch_stream_shape(const Params& p, cudaStream_t stream) {
-  constexpr int U0 = OUTLIERS ? (NB == 8 ? 2 : 4) : (NB <= 2 ? 8 : (NB == 4 ? 4 : 2));
+  constexpr int U0 = NB <= 2 ? 8 : (NB == 4 ? 4 : 2);
   constexpr int U = K == Kind::kProgressive && GKc == 1 && NB == 2 ? U0 / 2 : U0;
   constexpr int G = GKc < U ? GKc : U;
   constexpr int MIN_BLOCKS = RT * WK > 8 ? 1 : (NB <= (OUTLIERS ? 2 : 4) ? 2 : 1);

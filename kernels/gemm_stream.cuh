@@ -19,27 +19,31 @@ namespace qoq::gemm {
 // Tile-COO outliers of their row tile (docs/tile-coo.md), sum_k S[n, k] * xq[m, k], on the
 // tensor cores, before the single write of the output. Per chunk of U k-tiles (U/2 whole
 // buckets: splits and chunks start on even k-tiles, see aligned_split_begin):
-//  * the chunk's entries (its buckets' runs one after the other) are loaded one per lane,
-//    issued right after the chunk's weight loads, so they arrive with them; the (start,
-//    count) lookups they need were fetched one chunk earlier (next_lookup);
-//  * after the dense mma, each lane scatters its entries' fp16 values into a per-warp
-//    shared-memory tile per bucket, [32 rows x 64 k] fp16, otherwise zero (scatter_entry) -
-//    every (row, column) occurs once in a section, so the scattered stores never collide;
-//  * the tile is read back as the A operand of mma.m16n8k16 (fp16 x fp16 -> fp32) with
-//    ldmatrix, and multiplied with the SAME INT8 B fragments the dense mma just used (held in
-//    registers, or read again from the staged chunk in shared memory), converted to fp16
-//    (exact for |x| <= 127). The k order of the tile is permuted (logical_k) so that the s8
-//    fragment a lane holds is exactly its fp16 fragment;
+//  * the chunk's entries (its buckets' runs one after the other) are copied into a per-warp
+//    buffer in shared memory (cp.async) right after the chunk's weights and activations; the
+//    (start, count) lookups they need go out a chunk earlier (the first chunk's at entry);
+//  * after the dense mma, the entries are multiplied in groups of 32, COMPACTED in k: entry f
+//    of a group is column f of a per-warp fp16 A tile [32 rows x 32], holding its four values
+//    at their rows (scatter_entry; every other element stays zero), and the B operand's row f
+//    is the activation column that entry belongs to, gathered per lane (x_pair) from the
+//    staged chunk in shared memory or from L1. One entry, four outliers of one column, so a
+//    group of <= 16 entries is one k16 step: 2 NB mma.m16n8k16 (fp16 x fp16 -> fp32) for
+//    what the first version multiplied as whole 32 x 64 bucket tiles (8 NB mma per bucket, and
+//    at 1% nearly every bucket is non-empty). The cost now follows the entries, not the area;
 //  * the fp32 sums land in registers laid out like the INT32 accumulators (the two mma's C
 //    fragments agree), travel through the k-slice reduction and split-K beside them, and the
 //    epilogue applies sx once: y = sx * (sw * acc + sparse) (stream_epilogue);
-//  * the lanes write zeros back where they scattered, so the tile is zero for the next chunk.
-// Cost per bucket and warp: ~2 scattered stores per entry, 8 ldmatrix, 4 x 2NB conversions
-// and 8 NB fp16 mma - independent of how the outliers are spread, with no atomics (the first
+//  * the lanes write zeros back where they scattered, so the tile is zero for the next group.
+// Per group and warp: one 16-byte entry read and 4 + 4 scattered 2-byte stores per lane, 2 ldmatrix, 4 shuffles, 4 NB
+// activation gathers and 2 NB conversions, 2 NB mma per k16 step - no atomics (the first
 // version's shared-memory fp32 atomics, one per outlier and token, made the kernel 3-6x
 // slower than the dense one at 1%).
 
-constexpr int kBucketTileBytes = kBucketN * kBucketK * 2;  // one bucket as fp16 [32][64]: 4 KB
+// The compact A tile of one warp: [32 rows][32 entries] fp16, 64-byte rows; after it the
+// warp's entry buffer (kEntryGroups x 32 entries of 16 bytes).
+constexpr int kCompactTileBytes = kBucketN * kWarp * 2;  // 2 KB
+constexpr int kEntryGroups = 3;
+constexpr int kOutlierWarpBytes = kCompactTileBytes + kEntryGroups * kWarp * 16;  // 3.5 KB
 
 // k-tiles [aligned_split_begin(z), aligned_split_begin(z + 1)) of split z of a stream-style
 // kernel: whole units of `align` k-tiles (a split never cuts a Tile-COO bucket, 2 k-tiles, or a
@@ -48,21 +52,11 @@ __device__ __forceinline__ int aligned_split_begin(int KT, int align, int z, int
   return min(KT, align * split_begin(ceil_div(KT, align), z, splits));
 }
 
-// Physical column c of a bucket (0..63) -> its k in the bucket's fp16 A tile. Lane (g, t) holds,
-// in its s8 B register of k-tile c >> 5, half (c >> 4) & 1, the activations at physical
-// 16h + 4t + j (j = 0..3); mma.m16n8k16 wants, in its fp16 B registers, k = 2t, 2t + 1 (b0) and
-// 2t + 8, 2t + 9 (b1). Calling physical 4t + j "k 2t + j" (j < 2) and "k 8 + 2t + j - 2"
-// (j >= 2) makes bytes 0,1 of the s8 register b0 and bytes 2,3 b1: the tile is stored in that k
-// order, and the sum over k does not care.
-__device__ __forceinline__ int logical_k(int c) {
-  const int t = (c >> 2) & 3, j = c & 3;
-  return (c & ~15) + (j < 2 ? 2 * t + j : 8 + 2 * t + j - 2);
-}
-
-// Byte offset of (row, k) in a bucket tile: 128-byte rows whose 16-byte chunks are XOR-swizzled
-// by row & 7, so that ldmatrix's eight row reads of one chunk column hit eight bank groups.
-__device__ __forceinline__ uint32_t tile_offset(int row, int k) {
-  return row * 128 + ((((k >> 3) ^ row) & 7) << 4) + (k & 7) * 2;
+// Byte offset of (row, k) in the compact tile: the four 16-byte pieces of a row XOR-swizzled
+// by row / 2, so that ldmatrix's eight row reads of one piece column (rows 8i .. 8i + 7, two
+// rows per 128-byte line) hit eight different 16-byte bank groups.
+__device__ __forceinline__ uint32_t compact_offset(int row, int k) {
+  return row * 64 + ((((k >> 3) ^ (row >> 1)) & 3) << 4) + (k & 7) * 2;
 }
 
 // Zeroes `bytes` (a multiple of 16) of shared memory from addr, the lanes of a warp side by side.
@@ -70,27 +64,26 @@ __device__ __forceinline__ void zero_shared(uint32_t addr, int bytes, int lane) 
   for (int i = lane; i < bytes / 16; i += kWarp) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr + 16 * i), "r"(0));
 }
 
-// Writes the real slots of one entry into its bucket's tile (or zeros there, to clean up).
-__device__ __forceinline__ void scatter_entry(uint32_t tile, const uint4& e, bool zero) {
-  const int k = logical_k(e.w & (kBucketK - 1));  // byte 12: the bucket-local column
-  const uint32_t real = (e.w >> 8) & 0xF;         // byte 13: which slots hold outliers
+// Writes the real slots of one entry into column k of the compact tile (or zeros there, to
+// clean up). The four rows of an entry differ, so the stores never collide.
+__device__ __forceinline__ void scatter_entry(uint32_t tile, const uint4& e, int k, bool zero) {
+  const uint32_t real = (e.w >> 8) & 0xF;  // byte 13: which slots hold outliers
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const int row = (e.z >> (8 * s)) & (kBucketN - 1);  // bytes 8..11 (`&`: stays in the tile)
     const uint32_t bits = zero ? 0u : ((s < 2 ? e.x : e.y) >> (16 * (s & 1))) & 0xFFFFu;  // bytes 0..7
-    if ((real >> s) & 1) asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(tile + tile_offset(row, k)), "h"(static_cast<unsigned short>(bits)));
+    if ((real >> s) & 1) asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(tile + compact_offset(row, k)), "h"(static_cast<unsigned short>(bits)));
   }
 }
 
-// Four INT8 activations (one s8 B register) as two fp16x2 registers, exactly: biased to
+// Two INT8 activations (the low bytes of a and b) as one fp16x2 register, exactly: biased to
 // x + 128 and placed under the exponent of 1024 (0x64XX = 1024 + byte), then 1152 subtracted.
-__device__ __forceinline__ void s8x4_to_f16x2(uint32_t v, uint32_t& lo, uint32_t& hi) {
-  const uint32_t biased = v ^ 0x80808080u;
+__device__ __forceinline__ uint32_t s8x2_to_f16x2(uint32_t a, uint32_t b) {
+  const uint32_t biased = __byte_perm(a, b, 0x0040) ^ 0x8080u;  // bytes 0, 1: a, b
+  uint32_t v = __byte_perm(biased, 0x64646464u, 0x4140);
   const __half2 offset = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
-  uint32_t a = __byte_perm(biased, 0x64646464u, 0x4140), b = __byte_perm(biased, 0x64646464u, 0x4342);
-  const __half2 ha = __hsub2(*reinterpret_cast<__half2*>(&a), offset), hb = __hsub2(*reinterpret_cast<__half2*>(&b), offset);
-  lo = *reinterpret_cast<const uint32_t*>(&ha);
-  hi = *reinterpret_cast<const uint32_t*>(&hb);
+  const __half2 h = __hsub2(*reinterpret_cast<__half2*>(&v), offset);
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 // The (start, count) of the CB buckets of the chunk starting at k-tile kt0 (lane b < CB holds
@@ -103,14 +96,18 @@ __device__ __forceinline__ int2 next_lookup(const Params& p, int nt, int kt0, in
   return r;
 }
 
-// One chunk's outliers: CB buckets, entries dealt one per lane (E per lane loaded with the
-// weights; more, at high density, loaded here), scattered, multiplied, cleaned up.
-template <int NB, int CB, int E>
+// One chunk's outliers: CB buckets, entries dealt one per lane, multiplied in compact groups
+// of 32. The first kEntryGroups groups are copied into the warp's entry buffer with cp.async
+// when the chunk's weights are loaded (load), so that every group finds its entries there:
+// the uniform 1% benchmark pattern (mostly one outlier per entry) gives a chunk of 8 k-tiles
+// ~80 entries, and with one group prefetched in registers the others were each loaded, then
+// waited for, inside the chunk. Past kEntryGroups (outliers above ~3.5%, one per entry) the
+// rest are loaded in add.
+template <int NB, int CB>
 struct ChunkOutliers {
   int base[CB], end[CB], total;  // entry f of the chunk list = entry base[b] + f of bucket b's run
-  uint4 e[E];
 
-  __device__ __forceinline__ void load(const Params& p, int2 lookup, int lane) {
+  __device__ __forceinline__ void load(const Params& p, int2 lookup, uint32_t entries, int lane) {
     total = 0;
 #pragma unroll
     for (int b = 0; b < CB; ++b) {
@@ -119,10 +116,11 @@ struct ChunkOutliers {
       end[b] = total;
     }
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
+    for (int j = 0; j < kEntryGroups; ++j) {
       const int f = lane + kWarp * j;
-      e[j] = f < total ? ldg_stream_v4(p.tc_entries + at(f)) : make_uint4(0, 0, 0, 0);  // zero: no real slot
+      if (f < total) cp_async_16(entries + 16 * f, p.tc_entries + at(f), true);
     }
+    cp_async_commit();
   }
   __device__ __forceinline__ int bucket(int f) const {
     int b = 0;
@@ -138,45 +136,53 @@ struct ChunkOutliers {
     return a + f;
   }
 
-  // b_f16(u, nb, h, lo, hi): the fp16 B registers (k 2t, 2t+1 and 2t+8, 2t+9 of the tile's k
-  // order) of k-tile u (= 2 * bucket + u % 2), token block nb, k16 step h; sparse: the fp32 sums.
-  template <class BF16>
-  __device__ __forceinline__ void add(const Params& p, uint32_t scratch, BF16&& b_f16, float (&sparse)[2][NB][4],
-                                      int lane) {
+  // x_pair(nb, c0, c1): the fp16x2 B register {x[token 8 nb + g, c0], x[token 8 nb + g, c1]}
+  // for chunk-relative columns c0, c1 (0 .. 32 U - 1); sparse: the fp32 sums.
+  template <class XPair>
+  __device__ __forceinline__ void add(const Params& p, uint32_t tile, uint32_t entries, XPair&& x_pair,
+                                      float (&sparse)[2][NB][4], int lane) {
     if (total == 0) return;  // warp-uniform
-    __syncwarp();            // the previous chunk's clean-up is done before new values land
-#pragma unroll
-    for (int j = 0; j < E; ++j) scatter_entry(scratch + bucket(lane + kWarp * j) * kBucketTileBytes, e[j], false);
-    for (int f = E * kWarp + lane; f < total; f += kWarp)  // past E per lane: loaded now
-      scatter_entry(scratch + bucket(f) * kBucketTileBytes, ldg_stream_v4(p.tc_entries + at(f)), false);
+    cp_async_wait_all();     // this lane's entry copies (and any earlier ones) have landed
+    __syncwarp();            // ... and every other lane's
+    for (int f0 = 0; f0 < total; f0 += kWarp) {
+      const int f = f0 + lane;
+      uint4 e = make_uint4(0, 0, 0, 0);  // no real slot
+      if (f < total) e = f0 < kEntryGroups * kWarp ? lds_v4(entries + 16 * f) : ldg_stream_v4(p.tc_entries + at(f));
+      group(tile, e, f0, x_pair, sparse, lane);
+    }
+  }
+
+  // Entries f0 .. f0 + 31 (this lane's: e, entry f0 + lane; an all-zero e has no real slot).
+  template <class XPair>
+  __device__ __forceinline__ void group(uint32_t tile, const uint4& e, int f0, XPair&& x_pair, float (&sparse)[2][NB][4],
+                                        int lane) {
+    // This entry's chunk-relative column (byte 12: the bucket-local one); a lane without an
+    // entry gathers column 0 of the chunk, which exists (a k-tile past the split does not).
+    const int col = f0 + lane < total ? bucket(f0 + lane) * kBucketK + static_cast<int>(e.w & (kBucketK - 1)) : 0;
+    __syncwarp();  // the previous group's clean-up (and reads) are done before new values land
+    scatter_entry(tile, e, lane, false);
     __syncwarp();
 #pragma unroll
-    for (int bk = 0; bk < CB; ++bk) {
-      if (end[bk] == (bk ? end[bk - 1] : 0)) continue;  // an empty bucket (warp-uniform)
+    for (int s = 0; s < 2; ++s) {
+      if (s == 1 && total - f0 <= 16) break;  // a group of <= 16 entries is one k16 step (warp-uniform)
+      uint32_t a[2][4];
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {  // the bucket's four k16 steps: k-tile 2bk + s/2, half s%2
-        uint32_t a[2][4];
+      for (int blk = 0; blk < 2; ++blk)  // lane l gives row 16blk + l%16 at k 16s + 8(l/16)
+        ldmatrix_x4(a[blk], tile + compact_offset(16 * blk + (lane & 15), 16 * s + 8 * (lane >> 4)));
+      // mma.m16n8k16's B registers: k 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of this step,
+      // i.e. the columns of entries 16s + 2t + {0, 1, 8, 9}.
+      const int k = 16 * s + 2 * (lane & 3);
+      const int c0 = __shfl_sync(0xffffffffu, col, k), c1 = __shfl_sync(0xffffffffu, col, k + 1);
+      const int c2 = __shfl_sync(0xffffffffu, col, k + 8), c3 = __shfl_sync(0xffffffffu, col, k + 9);
 #pragma unroll
-        for (int blk = 0; blk < 2; ++blk)  // lane l gives row 16blk + l%16 at k 16s + 8(l/16)
-          ldmatrix_x4(a[blk], scratch + bk * kBucketTileBytes + tile_offset(16 * blk + (lane & 15), 16 * s + 8 * (lane >> 4)));
+      for (int nb = 0; nb < NB; ++nb) {
+        const uint32_t lo = x_pair(nb, c0, c1), hi = x_pair(nb, c2, c3);
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          uint32_t lo, hi;
-          b_f16(2 * bk + s / 2, nb, s % 2, lo, hi);
-#pragma unroll
-          for (int blk = 0; blk < 2; ++blk) mma_f16_16816(sparse[blk][nb], a[blk], lo, hi);
-        }
+        for (int blk = 0; blk < 2; ++blk) mma_f16_16816(sparse[blk][nb], a[blk], lo, hi);
       }
     }
-    __syncwarp();  // every lane has read the tiles before any lane clears them
-    // (Measured on the H200 and not kept: clearing each non-empty bucket's tile whole, 8
-    // 16-byte stores per lane, instead of the scattered zeros: 2.5% slower at 1% outliers.)
-    if (total <= E * kWarp) {
-#pragma unroll
-      for (int j = 0; j < E; ++j) scatter_entry(scratch + bucket(lane + kWarp * j) * kBucketTileBytes, e[j], true);
-    } else {  // entries this lane did not keep: clear the chunk's tiles whole
-      zero_shared(scratch, CB * kBucketTileBytes, lane);
-    }
+    __syncwarp();  // every lane has read the tile before any lane clears its column
+    scatter_entry(tile, e, lane, true);
   }
 };
 
@@ -255,22 +261,44 @@ __device__ __forceinline__ T from_bits(int x) {
 // [row tile][slot][register][lane] so that every access is one conflict-free word per lane.
 // T is int (the dense sums) or float (the outliers' and W4A16's), carried as bits. Afterwards the
 // k-slice-0 warps hold the sums.
-template <int NB, int RT, int WK, class T>
-__device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int rt, int wk, int lane) {
+//
+// PAIR (the fused kernel at NB <= 2): the outliers' fp32 sums f are reduced in the same rounds,
+// their partials passed through the writing warp's own outlier region (fbase: warp w's at
+// fbase + w * kOutlierWarpWords; its compact tile and entries, idle once its main loop is
+// done), so that the two reductions share their barriers. (Run one after the other, the second
+// added 0.5 us to the 9.3 of 4096^2 at M = 16 with 16 warps: gemm_timeline.py --outliers.)
+constexpr int kOutlierWarpWords = kOutlierWarpBytes / 4;
+
+template <int NB, int RT, int WK, class T, bool PAIR>
+__device__ __forceinline__ void reduce_k_slices_pair(T (&v)[2][NB][4], float (&f)[2][NB][4], int* red, float* fbase, int rt,
+                                                     int wk, int lane) {
   constexpr int kRegs = 2 * NB * 4;
+  static_assert(!PAIR || kRegs * kWarp <= kOutlierWarpWords, "a warp's fp32 partials fit its outlier region");
+  const int warp = rt * WK + wk;
 #pragma unroll
   for (int s = WK / 2; s >= 1; s /= 2) {
     if (wk >= s && wk < 2 * s) {
 #pragma unroll
-      for (int r = 0; r < kRegs; ++r) red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = to_bits(reg<NB>(v, r));
+      for (int r = 0; r < kRegs; ++r) {
+        red[((rt * (WK / 2) + wk - s) * kRegs + r) * kWarp + lane] = to_bits(reg<NB>(v, r));
+        if constexpr (PAIR) fbase[warp * kOutlierWarpWords + r * kWarp + lane] = reg<NB>(f, r);
+      }
     }
     __syncthreads();
     if (wk < s) {
 #pragma unroll
-      for (int r = 0; r < kRegs; ++r) reg<NB>(v, r) += from_bits<T>(red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane]);
+      for (int r = 0; r < kRegs; ++r) {
+        reg<NB>(v, r) += from_bits<T>(red[((rt * (WK / 2) + wk) * kRegs + r) * kWarp + lane]);
+        if constexpr (PAIR) reg<NB>(f, r) += fbase[(warp + s) * kOutlierWarpWords + r * kWarp + lane];
+      }
     }
     __syncthreads();
   }
+}
+template <int NB, int RT, int WK, class T>
+__device__ __forceinline__ void reduce_k_slices(T (&v)[2][NB][4], int* red, int rt, int wk, int lane) {
+  float none[2][NB][4];
+  reduce_k_slices_pair<NB, RT, WK, T, false>(v, none, red, nullptr, rt, wk, lane);
 }
 
 // How the stream kernel's k-slice warps hand their sums to the epilogue's tile: the tree above
@@ -293,38 +321,52 @@ struct KSliceReduction {
   static_assert(!kFlat || kRegs <= 16, "the flat buffer holds every register of every warp (<= 32 KB)");
 };
 
-template <int NB, int RT, int WK, class T>
-__device__ __forceinline__ void reduce_k_slices_flat(const T (&v)[2][NB][4], int* red, T* tile, int rt, int wk, int lane) {
+// PAIR: with the outliers' fp32 sums f into ftile, as reduce_k_slices_pair.
+template <int NB, int RT, int WK, class T, bool PAIR = false>
+__device__ __forceinline__ void reduce_k_slices_flat(const T (&v)[2][NB][4], int* red, T* tile, int rt, int wk, int lane,
+                                                     float (*f)[NB][4] = nullptr, float* fbase = nullptr,
+                                                     float* ftile = nullptr) {
   constexpr int kRegs = 2 * NB * 4, kThreads = RT * WK * kWarp;
+  static_assert(!PAIR || kRegs * kWarp <= kOutlierWarpWords, "a warp's fp32 partials fit its outlier region");
 #pragma unroll
-  for (int r = 0; r < kRegs; ++r) red[((rt * WK + wk) * kRegs + r) * kWarp + lane] = to_bits(reg<NB>(v, r));
+  for (int r = 0; r < kRegs; ++r) {
+    red[((rt * WK + wk) * kRegs + r) * kWarp + lane] = to_bits(reg<NB>(v, r));
+    if constexpr (PAIR) fbase[(rt * WK + wk) * kOutlierWarpWords + r * kWarp + lane] = f[r / (4 * NB)][(r / 4) % NB][r % 4];
+  }
   __syncthreads();
   for (int i = threadIdx.x; i < RT * kRegs * kWarp; i += kThreads) {
     const int tile_rt = i / (kRegs * kWarp), r = (i / kWarp) % kRegs, l = i % kWarp;
     T sum = 0;
+    float fsum = 0.f;
 #pragma unroll
-    for (int w = 0; w < WK; ++w) sum += from_bits<T>(red[((tile_rt * WK + w) * kRegs + r) * kWarp + l]);
+    for (int w = 0; w < WK; ++w) {
+      sum += from_bits<T>(red[((tile_rt * WK + w) * kRegs + r) * kWarp + l]);
+      if constexpr (PAIR) fsum += fbase[(tile_rt * WK + w) * kOutlierWarpWords + r * kWarp + l];
+    }
     tile[StreamStaging<NB, RT>::at(tile_rt, r, l)] = sum;
+    if constexpr (PAIR) ftile[StreamStaging<NB, RT>::at(tile_rt, r, l)] = fsum;
   }
   __syncthreads();  // the tile is whole (and the buffer free again)
 }
 
 // The k-slice reduction into the epilogue's tile (smem: KSliceReduction::kWords); returns the
-// tile (OUTLIERS: the outliers' fp32 tile right after it).
+// tile (OUTLIERS: the outliers' fp32 tile right after it; outlier_smem: the warps' outlier
+// regions, which carry the fp32 partials at NB <= 2).
 template <int NB, int RT, int WK, bool OUTLIERS>
 __device__ __forceinline__ int* reduce_k_slices_to_tile(int (&acc)[2][NB][4], float (&sparse)[2][NB][4], int* smem, bool holds,
-                                                        int rt, int wk, int lane) {
+                                                        int rt, int wk, int lane, float* outlier_smem) {
   using R = KSliceReduction<NB, RT, WK, OUTLIERS>;
   using Tile = StreamStaging<NB, RT>;
+  constexpr bool kPair = OUTLIERS && NB <= 2;
   int* tile = smem + R::kTileAt;
   float* sparse_tile = reinterpret_cast<float*>(tile + Tile::kWords);
   if constexpr (R::kFlat) {
-    reduce_k_slices_flat<NB, RT, WK>(acc, smem, tile, rt, wk, lane);
-    if constexpr (OUTLIERS) reduce_k_slices_flat<NB, RT, WK>(sparse, smem, sparse_tile, rt, wk, lane);
+    reduce_k_slices_flat<NB, RT, WK, int, kPair>(acc, smem, tile, rt, wk, lane, sparse, outlier_smem, sparse_tile);
+    if constexpr (OUTLIERS && !kPair) reduce_k_slices_flat<NB, RT, WK>(sparse, smem, sparse_tile, rt, wk, lane);
   } else {
     if constexpr (WK > 1) {
-      reduce_k_slices<NB, RT, WK>(acc, smem, rt, wk, lane);
-      if constexpr (OUTLIERS) reduce_k_slices<NB, RT, WK>(sparse, smem, rt, wk, lane);
+      reduce_k_slices_pair<NB, RT, WK, int, kPair>(acc, sparse, smem, outlier_smem, rt, wk, lane);
+      if constexpr (OUTLIERS && !kPair) reduce_k_slices<NB, RT, WK>(sparse, smem, rt, wk, lane);
     }
     if (holds) {
 #pragma unroll
@@ -465,7 +507,7 @@ struct StreamChunk {
   uint32_t s1[F], zs1[F];
 };
 
-// Dynamic shared memory of a stream CTA: OUTLIERS, U / 2 bucket tiles per warp; then, STAGE,
+// Dynamic shared memory of a stream CTA: OUTLIERS, a compact outlier tile per warp; then, STAGE,
 // each warp's activation buffer for one chunk: [8 NB tokens][U k-tiles x 32 bytes + 16]. The
 // 16-byte pad makes the pitch 4 words mod 32 banks, so the B-fragment reads (lane (g, t): token
 // g, word t of a k-tile half) hit 32 different banks.
@@ -474,7 +516,7 @@ constexpr int kActPitch = U * 32 + 16;
 template <int NB, int U>
 constexpr int kActWarpBytes = 8 * NB * kActPitch<U>;
 template <int NB, int RT, int WK, int U, bool OUTLIERS, bool STAGE>
-constexpr int kStreamSmemBytes = (OUTLIERS ? RT * WK * (U / 2) * kBucketTileBytes : 0) + (STAGE ? RT * WK * kActWarpBytes<NB, U> : 0);
+constexpr int kStreamSmemBytes = (OUTLIERS ? RT * WK * kOutlierWarpBytes : 0) + (STAGE ? RT * WK * kActWarpBytes<NB, U> : 0);
 
 // The k-tile of slot u of a chunk starting at kt0: WHOLE chunks (kt0 + U <= kt_end, the steady
 // state) use kt0 + u, so that every address is one base plus an immediate; the tail re-loads
@@ -531,11 +573,11 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
 
   // The k-slice reduction's buffer and the epilogue's tile (OUTLIERS: and the outliers' tile).
   __shared__ __align__(16) int red[KSliceReduction<NB, RT, WK, OUTLIERS>::kWords];
-  extern __shared__ __align__(128) uint8_t stream_dynamic[];  // OUTLIERS: CB bucket tiles per warp
-  const uint32_t scratch = smem_u32(stream_dynamic) + warp * CB * kBucketTileBytes;
-  if constexpr (OUTLIERS) zero_shared(scratch, CB * kBucketTileBytes, lane);
-  // STAGE (dense only): this warp's activation buffer (kActWarpBytes).
-  const int act_offset = (OUTLIERS ? RT * WK * CB * kBucketTileBytes : 0) + warp * kActWarpBytes<NB, U>;
+  extern __shared__ __align__(128) uint8_t stream_dynamic[];  // OUTLIERS: a compact tile and entries per warp
+  const uint32_t scratch = smem_u32(stream_dynamic) + warp * kOutlierWarpBytes, entries = scratch + kCompactTileBytes;
+  if constexpr (OUTLIERS) zero_shared(scratch, kCompactTileBytes, lane);
+  // STAGE: this warp's activation buffer (kActWarpBytes).
+  const int act_offset = (OUTLIERS ? RT * WK * kOutlierWarpBytes : 0) + warp * kActWarpBytes<NB, U>;
   const uint8_t* act_tile = stream_dynamic + act_offset;
 
   trace_stamp(p, kEntry);
@@ -653,21 +695,25 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     // Before pdl_wait, while the previous kernel may still run: the first chunk's weights
     // (static data). (Measured and not kept: asking L2 for the next chunks ahead with bulk
     // prefetches, 2 or 4 chunks per warp, made every shape 2-19% slower.)
+    // OUTLIERS: the first chunk's lookups go out first of all: behind the weights they came
+    // back only after most of them (1.5-2 us on the H200, 4096^2 at M = 16, gemm_timeline.py
+    // --outliers), and a warp that waited for them before the dependent-launch wait, to send
+    // its entries out early, passed the wait that much later.
+    int2 lookup{};
+    if constexpr (OUTLIERS) lookup = next_lookup<CB>(p, nt, first, kt_end, lane);
     Chunk c;
     if (first < kt_end) load_chunk(c, first, std::true_type{});
     pdl_wait();
     trace_stamp(p, kWaited);
-    int2 lookup{};
-    if constexpr (OUTLIERS) lookup = next_lookup<CB>(p, nt, first, kt_end, lane);
+    ChunkOutliers<NB, CB> outliers;
     for (int kt0 = first; kt0 < kt_end; kt0 += step) {
       if (kt0 != first) load_chunk(c, kt0, std::true_type{});
       if constexpr (STAGE) stage(kt0);
       else load_chunk(c, kt0, std::false_type{});
-      // OUTLIERS: the entries go out right after the weights (their lookups came a chunk ago,
-      // except for the first chunk), and the next chunk's lookups after them.
-      ChunkOutliers<NB, CB, 2> outliers;
+      // OUTLIERS: the entries go out right after the weights and activations (their lookups
+      // came a chunk ago), and the next chunk's lookups after them.
       if constexpr (OUTLIERS) {
-        outliers.load(p, lookup, lane);
+        outliers.load(p, lookup, entries, lane);
         lookup = next_lookup<CB>(p, nt, kt0 + step, kt_end, lane);
       }
       if constexpr (STAGE) {
@@ -675,10 +721,18 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
         __syncwarp();  // every lane's pieces have landed
       }
       compute(c, kt0);
-      // (A k-tile past kt_end holds a re-loaded B fragment; its bucket columns hold no outliers.)
+      // The outliers' activations: the staged chunk, or the rows the B fragments came from
+      // (just read through L1). (Past kt_end there are no entries.)
       if constexpr (OUTLIERS) {
-        outliers.add(p, scratch, [&](int u, int nb, int h, uint32_t& lo, uint32_t& hi) { s8x4_to_f16x2(act(c, u, nb, h), lo, hi); },
-                     sparse, lane);
+        outliers.add(p, scratch, entries, [&](int nb, int c0, int c1) -> uint32_t {
+          if constexpr (STAGE) {
+            const uint8_t* row = act_tile + (8 * nb + th.g) * kActPitch<U>;
+            return s8x2_to_f16x2(row[c0], row[c1]);
+          } else {
+            const uint8_t* row = reinterpret_cast<const uint8_t*>(xrow[nb] - 4 * th.t + kt0 * 32);
+            return s8x2_to_f16x2(__ldg(row + c0), __ldg(row + c1));
+          }
+        }, sparse, lane);
       }
       if constexpr (STAGE) __syncwarp();  // every lane has read the chunk before the next one's copies land
       if (kt0 == first) trace_stamp(p, kFirstChunk);
@@ -686,7 +740,8 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   }
   trace_stamp(p, kLoopDone);
 
-  const int* tile = reduce_k_slices_to_tile<NB, RT, WK, OUTLIERS>(acc, sparse, red, th.holds_sums(p), rt, wk, lane);
+  const int* tile = reduce_k_slices_to_tile<NB, RT, WK, OUTLIERS>(acc, sparse, red, th.holds_sums(p), rt, wk, lane,
+                                                                  reinterpret_cast<float*>(stream_dynamic));
   trace_stamp(p, kSlicesReduced);
 
   const bool epilogue = stream_epilogue<K, NB, RT, WK, OUTLIERS>(p, tile, rows);

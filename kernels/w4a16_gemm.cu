@@ -11,8 +11,7 @@
 //  * The packed W4 fragment (qoqtool/packing/layout.py) gives lane (g, t) the codes of rows
 //    g + 8i at k = 4t + j (low nibbles) and 16 + 4t + j (high nibbles). mma.m16n8k16 wants
 //    rows g, g + 8 at k = 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3). Calling physical
-//    k 16h + 4t + j the step-h k "2t + j" (j < 2) and "8 + 2t + j - 2" (j >= 2) - the order the
-//    fused outlier path already uses (gemm_stream.cuh, logical_k) - makes bytes 0, 1 of a word
+//    k 16h + 4t + j the step-h k "2t + j" (j < 2) and "8 + 2t + j - 2" (j >= 2) makes bytes 0, 1 of a word
 //    the lane's a0/a1 pair and bytes 2, 3 its a2/a3 pair, and the activations the lane needs for
 //    step h are x[16h + 4t .. 16h + 4t + 3]: ONE 8-byte load gives both B registers.
 //  * Dequantization, per pair of codes: a byte permute spreads two bytes into the halves of
@@ -83,9 +82,9 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) w4a16_stream_kernel
   const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;
 
   __shared__ int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
-  extern __shared__ __align__(128) uint8_t w4a16_dynamic[];  // OUTLIERS: CB bucket tiles per warp
-  const uint32_t scratch = smem_u32(w4a16_dynamic) + warp * CB * kBucketTileBytes;
-  if constexpr (OUTLIERS) zero_shared(scratch, CB * kBucketTileBytes, lane);
+  extern __shared__ __align__(128) uint8_t w4a16_dynamic[];  // OUTLIERS: a compact outlier tile per warp
+  const uint32_t scratch = smem_u32(w4a16_dynamic) + warp * kOutlierWarpBytes, entries = scratch + kCompactTileBytes;
+  if constexpr (OUTLIERS) zero_shared(scratch, kCompactTileBytes, lane);
 
   float acc[2][NB][4] = {};  // dense and (OUTLIERS) outlier products alike
   if (nt < p.NT) {
@@ -115,9 +114,9 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) w4a16_stream_kernel
 #pragma unroll
           for (int h = 0; h < 2; ++h) b[u][nb][h] = __ldg(reinterpret_cast<const uint2*>(xrow[nb] + kt * 32 + 16 * h));
       }
-      ChunkOutliers<NB, CB, 2> outliers;
+      ChunkOutliers<NB, CB> outliers;
       if constexpr (OUTLIERS) {
-        outliers.load(p, lookup, lane);
+        outliers.load(p, lookup, entries, lane);
         lookup = next_lookup<CB>(p, nt, kt0 + WK * U, kt_end, lane);
       }
 #pragma unroll
@@ -135,10 +134,13 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) w4a16_stream_kernel
               for (int nb = 0; nb < NB; ++nb) mma_f16_16816(acc[blk][nb], a[blk][h], b[u][nb][h].x, b[u][nb][h].y);
         }
       }
-      // The outliers multiply the same fp16 activation registers, into the same accumulators.
+      // The outliers multiply the same fp16 activations (their rows just read through L1),
+      // into the same accumulators.
       if constexpr (OUTLIERS) {
-        outliers.add(p, scratch, [&](int u, int nb, int h, uint32_t& lo, uint32_t& hi) { lo = b[u][nb][h].x; hi = b[u][nb][h].y; },
-                     acc, lane);
+        outliers.add(p, scratch, entries, [&](int nb, int c0, int c1) -> uint32_t {
+          const unsigned short* row = reinterpret_cast<const unsigned short*>(xrow[nb] - 4 * th.t + kt0 * 32);
+          return static_cast<uint32_t>(__ldg(row + c0)) | (static_cast<uint32_t>(__ldg(row + c1)) << 16);
+        }, acc, lane);
       }
     }
   }
@@ -164,7 +166,7 @@ cudaError_t launch_w4a16(const Params& p, cudaStream_t stream) {
   // Chunk length: as long as the registers allow without spills (ptxas -v) at this occupancy.
   constexpr int U = NB == 1 && !OUTLIERS ? 8 : (NB <= 4 ? 4 : 2);
   constexpr int MIN_BLOCKS = NB <= 2 ? 2 : 1;
-  constexpr int kSmem = OUTLIERS ? RT * WK * (U / 2) * kBucketTileBytes : 0;
+  constexpr int kSmem = OUTLIERS ? RT * WK * kOutlierWarpBytes : 0;
   const auto kernel = w4a16_stream_kernel<NB, RT, WK, U, MIN_BLOCKS, OUTLIERS>;
   if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);

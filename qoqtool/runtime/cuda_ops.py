@@ -95,7 +95,9 @@ _library_path: str | None = None
 def use_library(path: str | None) -> None:
     """Run the GEMM ops on the kernel library at `path` (a libqoqkernels.so built from other
     sources) instead of this checkout's; None: this checkout's again. Each library keeps its own
-    settings (set_dependent_launch and the like apply to the one in use). For
+    settings and defaults (set_dependent_launch and the like apply to the one in use) if it was
+    built with -fno-gnu-unique (kernels/build.py, since 2026-12-01 13:00 UTC); of two older
+    builds in one process, both used the settings of the one loaded first. For
     benchmarks/library_ab.py, which times two builds in one process."""
     global _library_path
     _library_path = None if path is None else str(path)
@@ -238,11 +240,12 @@ def set_stage_activations(enabled: bool = True) -> None:
 FUSED_STAGE_NEVER, FUSED_STAGE_TWO_BLOCKS, FUSED_STAGE_ALWAYS = 0, 1, 2  # FusedStaging of gemm_kernels.cuh
 
 
-def set_fused_staging(mode: int = FUSED_STAGE_TWO_BLOCKS) -> None:
+def set_fused_staging(mode: int = FUSED_STAGE_ALWAYS) -> None:
     """When the fused sparse-dense kernel stages its activations in shared memory (only while
-    set_stage_activations holds), for the whole process: never, with 16 tokens per CTA (M > 8;
-    the default, measured 1.04x faster there and 5-10% slower at M = 8), or from M = 8 like the
-    dense kernel. benchmarks/sparse_dense.py --explore times the choices."""
+    set_stage_activations holds), for the whole process: never, with 16 tokens per CTA (M > 8),
+    or from M = 8 like the dense kernel (the default; its outlier path gathers activations from
+    the staged chunk, measured faster than through L1 at M = 8 and 16 on the H200).
+    benchmarks/sparse_dense.py --explore times the choices."""
     if mode not in (FUSED_STAGE_NEVER, FUSED_STAGE_TWO_BLOCKS, FUSED_STAGE_ALWAYS):
         raise ValueError(f"fused staging mode {mode!r}: 0 (never), 1 (16 tokens per CTA) or 2 (from M = 8)")
     _call("qoq_gemm_set_fused_staging", mode)
