@@ -1,12 +1,14 @@
 """Timelines of back-to-back small-M GEMMs (the stream kernel) on one GPU: where a call's time goes.
 
-    python benchmarks/gemm_timeline.py [--cases N:K:M,...] [--kind per_group|per_channel] [--plan K:T:S] [--json PATH]
+    python benchmarks/gemm_timeline.py [--cases N:K:M,...] [--kind per_group|per_channel] [--plan K:T:S]
+                                       [--outliers DENSITY] [--json PATH]
 
 For each case, R calls of the W4A8 GEMM, each on its own copy of the weights (as in
 benchmarks/gemm.py, so every call streams from HBM), are captured in one CUDA graph, each
 call with its own trace buffer (cuda_ops.set_trace: thread 0 of every CTA stamps the GPU's
 global timer at entry, after the dependent-launch wait, after its warp's first chunk, after
-the main loop, after the k-slice and split-K reductions and after the stores). After warm-up
+the main loop, after the k-slice and split-K reductions and after the stores; --outliers: the
+fused sparse-dense kernel instead, with that share of uniform Tile-COO outliers). After warm-up
 replays, one replay is read back. Printed per case:
   * the period (time per call in the steady state) with and without the stamps, and cuBLAS
     bf16's in the same harness;
@@ -34,7 +36,7 @@ STAMPS = ["entry", "waited", "first chunk", "loop done", "slices reduced", "spli
 DEFAULT_CASES = "8192:8192:1,8192:8192:16,4096:4096:1,4096:4096:16,14336:4096:16"
 
 
-def timeline(n: int, k: int, m: int, kind: str, g, calls: int = 16) -> dict:
+def timeline(n: int, k: int, m: int, kind: str, g, calls: int = 16, outliers: float = 0.0) -> dict:
     sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
     plan = cuda_ops.PLAN_OVERRIDE or cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
     ctas = plan.grid_tiles(m, n // 32) * plan.splits
@@ -44,18 +46,26 @@ def timeline(n: int, k: int, m: int, kind: str, g, calls: int = 16) -> dict:
     acts = (x_q, x_scale) if kind == "per_group" else (x_q, x_scale, x_q.sum(1, dtype=torch.int32))
     copies = max(calls, copies_for(n * k // 2, m))
     weights = [w4_operands(n, k, kind, g) for _ in range(copies)]
-    plain_us = time_calls([lambda w=w: op(*acts, *w, n) for w in weights])
+    if outliers:  # the fused kernel, each weight copy with its own section
+        from sparse_dense import fused_op, make_outliers
+        fused = fused_op(kind, n)
+        rowsum = acts[2] if kind == "per_channel" else None
+        runs = [lambda w=w, s=make_outliers(n, k, outliers, "uniform", g)[0]: fused(x_q, x_scale, rowsum, w, s)
+                for w in weights]
+    else:
+        runs = [lambda w=w: op(*acts, *w, n) for w in weights]
+    plain_us = time_calls(runs)
 
     traces = [torch.zeros(ctas, cuda_ops.TRACE_WORDS, dtype=torch.int64, device="cuda") for _ in weights]
-    for w, t in zip(weights, traces):  # warm up outside the capture
+    for run, t in zip(runs, traces):  # warm up outside the capture
         cuda_ops.set_trace(t)
-        op(*acts, *w, n)
+        run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for w, t in zip(weights, traces):
+        for run, t in zip(runs, traces):
             cuda_ops.set_trace(t)
-            op(*acts, *w, n)
+            run()
     cuda_ops.set_trace(None)
     for _ in range(5):
         graph.replay()
@@ -73,14 +83,15 @@ def timeline(n: int, k: int, m: int, kind: str, g, calls: int = 16) -> dict:
     gap = statistics.median((starts[i] - int(stamps[i - 1][:, 6].max())) / 1e3 for i in middle)
     spread = statistics.median((int(stamps[i][:, 0].max()) - starts[i]) / 1e3 for i in middle)
     per_sm = torch.bincount((stamps[len(stamps) // 2][:, 7] & 0xFFFFFFFF).long())
-    return {"N": n, "K": k, "M": m, "kind": kind, "plan": plan.name(), "ctas": ctas, "calls": len(stamps),
+    return {"N": n, "K": k, "M": m, "kind": kind, "outliers": outliers, "plan": plan.name(), "ctas": ctas, "calls": len(stamps),
             "period_us": period_us, "plain_us": plain_us, "bf16_us": bf16_us(m, n, k, g), "phases_us": phases,
             "gap_prev_store_to_entry_us": gap, "entry_spread_us": spread,
             "ctas_per_sm": [int(per_sm.min()), int(per_sm.max())]}
 
 
 def report(r: dict) -> list[str]:
-    lines = [f"{r['kind']} M={r['M']} {r['N']}x{r['K']}  {r['plan']}, {r['ctas']} CTAs ({r['ctas_per_sm'][0]}-"
+    fused = f" fused {100 * r['outliers']:g}%" if r.get("outliers") else ""
+    lines = [f"{r['kind']}{fused} M={r['M']} {r['N']}x{r['K']}  {r['plan']}, {r['ctas']} CTAs ({r['ctas_per_sm'][0]}-"
              f"{r['ctas_per_sm'][1]} per SM): period {r['period_us']:.2f} us with stamps, {r['plain_us']:.2f} without; "
              f"bf16 {r['bf16_us']:.2f}",
              f"  previous call's last store -> first entry {r['gap_prev_store_to_entry_us']:+.2f} us; "
@@ -97,6 +108,8 @@ def main() -> None:
     ap.add_argument("--kind", choices=["per_group", "per_channel"], default="per_group")
     ap.add_argument("--plan", default=None, metavar="KERNEL:TILE:SPLITS",
                     help="force this plan for every case instead of cuda_ops.plan's (e.g. stream1x8:2:1)")
+    ap.add_argument("--outliers", type=float, default=0.0, metavar="DENSITY",
+                    help="time the fused sparse-dense kernel with this share of uniform outliers (e.g. 0.01)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -110,7 +123,7 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         n, k, m = (int(v) for v in case.split(":"))
-        rows.append(timeline(n, k, m, args.kind, g))
+        rows.append(timeline(n, k, m, args.kind, g, outliers=args.outliers))
         print("\n".join(report(rows[-1])), flush=True)
         torch.cuda.empty_cache()
     if args.json:

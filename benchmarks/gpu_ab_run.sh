@@ -50,6 +50,8 @@ fi
 stage "timelines (candidate)"
 timeout 60 python3 benchmarks/gemm_timeline.py --cases 4096:4096:16,8192:8192:16,4096:4096:1 --json "$OUT/timeline.json" \
   2>&1 | tee "$OUT/timeline.txt" | tail -40
+timeout 60 python3 benchmarks/gemm_timeline.py --outliers 0.01 --cases 4096:4096:16,4096:4096:8,14336:4096:16 \
+  --json "$OUT/timeline-fused.json" 2>&1 | tee "$OUT/timeline-fused.txt" | tail -40
 
 if [ -n "${TABLES:-}" ]; then  # TABLES=1: the candidate's full tables too (benchmarks/RESULTS.md)
   stage "gemm table (candidate)"

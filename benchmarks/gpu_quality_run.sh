@@ -116,12 +116,15 @@ if [ -n "${JOBS:-}" ]; then
                  # 256 tokens: a decode step of the packed model took 75-100 ms there, Python-bound): every GEMM
                  # at M = 16 - the stream kernels, with 1 % outliers the fused sparse-dense kernel - and KV4
                  # decode attention, against the reference path on the same windows, whole and by decoding
-                 # (fp32 linears on the GPU); DECODE_UNFUSED=1 adds the dense kernel + the separate product
+                 # (fp32 linears on the GPU); DECODE_UNFUSED=1 adds the dense kernel + the separate product;
+                 # DECODE_CHAINS picks the models (default "g128 outliers1"), DECODE_QUANT adds quantize options
+                 # (e.g. "--calib-samples 16" when device time is short: kernels and reference evaluate the
+                 # same quantized model, so the comparison does not depend on the calibration)
         W=(--tasks wikitext2 --data-dir "$D" --device cuda --seqlen "${DECODE_SEQLEN:-256}" --max-windows 16 -q)
         chain() {  # $1 = name, then extra quantize options
           local name=decode-$1 q=/tmp/q/decode-$1; shift
           date +%T
-          qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 "$@" --calib wikitext2 --data-dir "$D" --device cuda \
+          qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 "$@" ${DECODE_QUANT:-} --calib wikitext2 --data-dir "$D" --device cuda \
             -o "$q" -q --overwrite > /dev/null 2>&1
           date +%T
           qoqtool pack "$q" -o "$q-packed" --overwrite > /dev/null 2>&1
@@ -133,8 +136,10 @@ if [ -n "${JOBS:-}" ]; then
           fi
           timeout 200 qoqtool eval "$q" "${W[@]}" --decode-batch 16 --json "$OUT/decode-reference-$name.json" 2>&1 | tail -2
         }
-        chain g128 > "$L/decode-g128.log" 2>&1 &
-        chain outliers1 --outliers 1% > "$L/decode-outliers1.log" 2>&1 &
+        case " ${DECODE_CHAINS:-g128 outliers1} " in *" g128 "*) chain g128 > "$L/decode-g128.log" 2>&1 & ;; esac
+        case " ${DECODE_CHAINS:-g128 outliers1} " in
+          *" outliers1 "*) chain outliers1 --outliers 1% > "$L/decode-outliers1.log" 2>&1 & ;;
+        esac
         wait
       ) > "$L/decode.log" 2>&1 & ;;
       recipe:*) (  # recipe:NAME[@SAMPLESxSEQLEN]: quantize on the GPU (timed; that calibration, default

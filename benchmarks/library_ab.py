@@ -10,6 +10,10 @@ GPU machine); the candidate defaults to the library of this checkout. Cases:
     shapes of benchmarks/gemm.py; a plan whose tile or kernel the baseline lacks fails there;
   * the fused sparse-dense GEMM (per group) at 1% uniform outliers, M in {8, 16}, on the six
     shapes of benchmarks/sparse_dense.py (--no-fused skips them; --no-gemm the dense cases).
+Both libraries run with their own launch settings and defaults only if at least one of them was
+built with -fno-gnu-unique (kernels/build.py, since 2026-12-01 13:00 UTC): before,
+the settings were inline-function statics unified across the process, so the candidate ran
+with the baseline's defaults (e.g. when to stage the fused kernel's activations).
 Each case is timed as benchmarks/gemm.py times (R calls on R weight copies in one CUDA graph,
 do_bench median) under baseline, candidate, baseline, candidate; each library's faster run is
 kept. Printed: both times, cuBLAS bf16 in the same run, and baseline / candidate (> 1: the
