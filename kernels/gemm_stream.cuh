@@ -321,26 +321,26 @@ struct KSliceReduction {
   static_assert(!kFlat || kRegs <= 16, "the flat buffer holds every register of every warp (<= 32 KB)");
 };
 
-// PAIR: with the outliers' fp32 sums f into ftile, as reduce_k_slices_pair.
-template <int NB, int RT, int WK, class T, bool PAIR = false>
-__device__ __forceinline__ void reduce_k_slices_flat(const T (&v)[2][NB][4], int* red, T* tile, int rt, int wk, int lane,
-                                                     float (*f)[NB][4] = nullptr, float* fbase = nullptr,
-                                                     float* ftile = nullptr) {
+// The dense INT32 sums v into tile; PAIR: with the outliers' fp32 sums f into ftile, as
+// reduce_k_slices_pair. (Flat CTAs have 16 warps, so NB <= 2: the fused kernel always pairs.)
+template <int NB, int RT, int WK, bool PAIR>
+__device__ __forceinline__ void reduce_k_slices_flat(const int (&v)[2][NB][4], const float (&f)[2][NB][4], int* red,
+                                                     int* tile, float* fbase, float* ftile, int rt, int wk, int lane) {
   constexpr int kRegs = 2 * NB * 4, kThreads = RT * WK * kWarp;
   static_assert(!PAIR || kRegs * kWarp <= kOutlierWarpWords, "a warp's fp32 partials fit its outlier region");
 #pragma unroll
   for (int r = 0; r < kRegs; ++r) {
-    red[((rt * WK + wk) * kRegs + r) * kWarp + lane] = to_bits(reg<NB>(v, r));
-    if constexpr (PAIR) fbase[(rt * WK + wk) * kOutlierWarpWords + r * kWarp + lane] = f[r / (4 * NB)][(r / 4) % NB][r % 4];
+    red[((rt * WK + wk) * kRegs + r) * kWarp + lane] = reg<NB>(v, r);
+    if constexpr (PAIR) fbase[(rt * WK + wk) * kOutlierWarpWords + r * kWarp + lane] = reg<NB>(f, r);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < RT * kRegs * kWarp; i += kThreads) {
     const int tile_rt = i / (kRegs * kWarp), r = (i / kWarp) % kRegs, l = i % kWarp;
-    T sum = 0;
+    int sum = 0;
     float fsum = 0.f;
 #pragma unroll
     for (int w = 0; w < WK; ++w) {
-      sum += from_bits<T>(red[((tile_rt * WK + w) * kRegs + r) * kWarp + l]);
+      sum += red[((tile_rt * WK + w) * kRegs + r) * kWarp + l];
       if constexpr (PAIR) fsum += fbase[(tile_rt * WK + w) * kOutlierWarpWords + r * kWarp + l];
     }
     tile[StreamStaging<NB, RT>::at(tile_rt, r, l)] = sum;
@@ -361,8 +361,8 @@ __device__ __forceinline__ int* reduce_k_slices_to_tile(int (&acc)[2][NB][4], fl
   int* tile = smem + R::kTileAt;
   float* sparse_tile = reinterpret_cast<float*>(tile + Tile::kWords);
   if constexpr (R::kFlat) {
-    reduce_k_slices_flat<NB, RT, WK, int, kPair>(acc, smem, tile, rt, wk, lane, sparse, outlier_smem, sparse_tile);
-    if constexpr (OUTLIERS && !kPair) reduce_k_slices_flat<NB, RT, WK>(sparse, smem, sparse_tile, rt, wk, lane);
+    static_assert(!OUTLIERS || kPair, "flat CTAs pair the outliers' sums with the dense ones");
+    reduce_k_slices_flat<NB, RT, WK, kPair>(acc, sparse, smem, tile, outlier_smem, sparse_tile, rt, wk, lane);
   } else {
     if constexpr (WK > 1) {
       reduce_k_slices_pair<NB, RT, WK, int, kPair>(acc, sparse, smem, outlier_smem, rt, wk, lane);
@@ -507,10 +507,10 @@ struct StreamChunk {
   uint32_t s1[F], zs1[F];
 };
 
-// Dynamic shared memory of a stream CTA: OUTLIERS, a compact outlier tile per warp; then, STAGE,
-// each warp's activation buffer for one chunk: [8 NB tokens][U k-tiles x 32 bytes + 16]. The
-// 16-byte pad makes the pitch 4 words mod 32 banks, so the B-fragment reads (lane (g, t): token
-// g, word t of a k-tile half) hit 32 different banks.
+// Dynamic shared memory of a stream CTA: OUTLIERS, a compact tile and entry buffer per warp
+// (kOutlierWarpBytes); then, STAGE, each warp's activation buffer for one chunk: [8 NB
+// tokens][U k-tiles x 32 bytes + 16]. The 16-byte pad makes the pitch 4 words mod 32 banks, so
+// the B-fragment reads (lane (g, t): token g, word t of a k-tile half) hit 32 different banks.
 template <int U>
 constexpr int kActPitch = U * 32 + 16;
 template <int NB, int U>

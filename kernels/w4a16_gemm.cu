@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) w4a16_stream_kernel
   const auto [warp, lane, g, t, rt, wk, nt, m0, kt_begin, kt_end] = th;
 
   __shared__ int red[WK > 1 ? RT * (WK / 2) * 2 * NB * 4 * kWarp : 1];
-  extern __shared__ __align__(128) uint8_t w4a16_dynamic[];  // OUTLIERS: a compact outlier tile per warp
+  extern __shared__ __align__(128) uint8_t w4a16_dynamic[];  // OUTLIERS: a compact tile and entries per warp
   const uint32_t scratch = smem_u32(w4a16_dynamic) + warp * kOutlierWarpBytes, entries = scratch + kCompactTileBytes;
   if constexpr (OUTLIERS) zero_shared(scratch, kCompactTileBytes, lane);
 

@@ -119,8 +119,8 @@ extern "C" int qoq_gemm_set_stage_activations(int enabled) {
   return cudaSuccess;
 }
 
-// When the fused sparse-dense kernel stages its activations: 0 never, 1 with 16 tokens per CTA
-// (the default), 2 from M = 8 (gemm_kernels.cuh, fused_staging; benchmarks compare).
+// When the fused sparse-dense kernel stages its activations: 0 never, 1 with 16 tokens per CTA,
+// 2 from M = 8 (the default) (gemm_kernels.cuh, fused_staging; benchmarks compare).
 extern "C" int qoq_gemm_set_fused_staging(int mode) {
   if (mode < 0 || mode > 2) return cudaErrorInvalidValue;
   qoq::gemm::fused_staging() = static_cast<qoq::gemm::FusedStaging>(mode);
