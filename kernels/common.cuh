@@ -129,9 +129,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // Every cp.async of this thread has landed; a compiler barrier too, so that plain loads of
 // the copied bytes are not moved above it.
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// At most the N newest groups of this thread are still in flight (a compiler barrier too).
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // ldmatrix: four (or two) 8x8 b16 matrices; lane l gives the row address of matrix l/8.

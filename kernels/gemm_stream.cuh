@@ -20,8 +20,11 @@ namespace qoq::gemm {
 // tensor cores, before the single write of the output. Per chunk of U k-tiles (U/2 whole
 // buckets: splits and chunks start on even k-tiles, see aligned_split_begin):
 //  * the chunk's entries (its buckets' runs one after the other) are copied into a per-warp
-//    buffer in shared memory (cp.async) right after the chunk's weights and activations; the
-//    (start, count) lookups they need go out a chunk earlier (the first chunk's at entry);
+//    buffer in shared memory (cp.async) right after the chunk's activations; the (start,
+//    count) lookups they need go out a chunk earlier (the first chunk's at entry). The dense
+//    mma waits for the activations only, and the next chunk's weights go out between the
+//    dense mma and the outlier work, whose time their DRAM round trip then overlaps
+//    (H200: 1.07x at M = 8, 1.04x at M = 16 for these two, 1% uniform outliers);
 //  * after the dense mma, the entries are multiplied in groups of 32, COMPACTED in k: entry f
 //    of a group is column f of a per-warp fp16 A tile [32 rows x 32], holding its four values
 //    at their rows (scatter_entry; every other element stays zero), and the B operand's row f
@@ -34,10 +37,13 @@ namespace qoq::gemm {
 //    fragments agree), travel through the k-slice reduction and split-K beside them, and the
 //    epilogue applies sx once: y = sx * (sw * acc + sparse) (stream_epilogue);
 //  * the lanes write zeros back where they scattered, so the tile is zero for the next group.
-// Per group and warp: one 16-byte entry read and 4 + 4 scattered 2-byte stores per lane, 2 ldmatrix, 4 shuffles, 4 NB
-// activation gathers and 2 NB conversions, 2 NB mma per k16 step - no atomics (the first
-// version's shared-memory fp32 atomics, one per outlier and token, made the kernel 3-6x
-// slower than the dense one at 1%).
+// Per group and warp: one 16-byte entry read and 4 + 4 predicated 2-byte stores per lane
+// (1.09x / 1.07x at M = 8 / 16 against the same stores under branches), 2 ldmatrix,
+// 4 shuffles, 4 NB activation gathers and 2 NB conversions, 2 NB mma per k16 step - no
+// atomics (the first version's shared-memory fp32 atomics, one per outlier and token, made
+// the kernel 3-6x slower than the dense one at 1%). Measured and not kept: double-buffered
+// entries, the next chunk's sent with its weights (0.97x at M = 8 and 0.90x at M = 16
+// against the single buffer; at NB = 2 it spilled 68-248 bytes).
 
 // The compact A tile of one warp: [32 rows][32 entries] fp16, 64-byte rows; after it the
 // warp's entry buffer (kEntryGroups x 32 entries of 16 bytes).
@@ -64,16 +70,29 @@ __device__ __forceinline__ void zero_shared(uint32_t addr, int bytes, int lane) 
   for (int i = lane; i < bytes / 16; i += kWarp) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr + 16 * i), "r"(0));
 }
 
-// Writes the real slots of one entry into column k of the compact tile (or zeros there, to
-// clean up). The four rows of an entry differ, so the stores never collide.
-__device__ __forceinline__ void scatter_entry(uint32_t tile, const uint4& e, int k, bool zero) {
-  const uint32_t real = (e.w >> 8) & 0xF;  // byte 13: which slots hold outliers
+// A 16-bit shared-memory store under a predicate (no branch around it).
+__device__ __forceinline__ void st_shared_u16_if(uint32_t addr, uint32_t bits, uint32_t pred) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.shared.u16 [%0], %1;\n}\n" ::"r"(addr),
+      "h"(static_cast<unsigned short>(bits)), "r"(pred));
+}
+
+// Where the four slots of one entry go in column k of the compact tile (bytes 8..11: their
+// rows; `&`: stays in the tile). Computed once per group: the same addresses take the values,
+// then the zeros that clean up.
+__device__ __forceinline__ void entry_slots(uint32_t tile, const uint4& e, int k, uint32_t (&addr)[4]) {
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const int row = (e.z >> (8 * s)) & (kBucketN - 1);  // bytes 8..11 (`&`: stays in the tile)
-    const uint32_t bits = zero ? 0u : ((s < 2 ? e.x : e.y) >> (16 * (s & 1))) & 0xFFFFu;  // bytes 0..7
-    if ((real >> s) & 1) asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(tile + compact_offset(row, k)), "h"(static_cast<unsigned short>(bits)));
-  }
+  for (int s = 0; s < 4; ++s) addr[s] = tile + compact_offset((e.z >> (8 * s)) & (kBucketN - 1), k);
+}
+// Writes the real slots of one entry (byte 13: which slots hold outliers) at their addresses,
+// their fp16 values (bytes 0..7) or zeros. The four rows of an entry differ, so the stores
+// never collide. Predicated stores: as `if`s, each store sat in its own branch (nvdisasm),
+// ~110 instructions per group for the values and the zeros.
+__device__ __forceinline__ void scatter_entry(const uint32_t (&addr)[4], const uint4& e, bool zero) {
+  const uint32_t real = e.w >> 8;
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+    st_shared_u16_if(addr[s], zero ? 0u : (s < 2 ? e.x : e.y) >> (16 * (s & 1)), real & (1u << s));
 }
 
 // Two INT8 activations (the low bytes of a and b) as one fp16x2 register, exactly: biased to
@@ -159,8 +178,10 @@ struct ChunkOutliers {
     // This entry's chunk-relative column (byte 12: the bucket-local one); a lane without an
     // entry gathers column 0 of the chunk, which exists (a k-tile past the split does not).
     const int col = f0 + lane < total ? bucket(f0 + lane) * kBucketK + static_cast<int>(e.w & (kBucketK - 1)) : 0;
+    uint32_t slots[4];
+    entry_slots(tile, e, lane, slots);
     __syncwarp();  // the previous group's clean-up (and reads) are done before new values land
-    scatter_entry(tile, e, lane, false);
+    scatter_entry(slots, e, false);
     __syncwarp();
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
@@ -182,7 +203,7 @@ struct ChunkOutliers {
       }
     }
     __syncwarp();  // every lane has read the tile before any lane clears its column
-    scatter_entry(tile, e, lane, true);
+    scatter_entry(slots, e, true);
   }
 };
 
@@ -707,7 +728,7 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     trace_stamp(p, kWaited);
     ChunkOutliers<NB, CB> outliers;
     for (int kt0 = first; kt0 < kt_end; kt0 += step) {
-      if (kt0 != first) load_chunk(c, kt0, std::true_type{});
+      if (!OUTLIERS && kt0 != first) load_chunk(c, kt0, std::true_type{});  // (OUTLIERS: loaded during the previous chunk)
       if constexpr (STAGE) stage(kt0);
       else load_chunk(c, kt0, std::false_type{});
       // OUTLIERS: the entries go out right after the weights and activations (their lookups
@@ -717,10 +738,15 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
         lookup = next_lookup<CB>(p, nt, kt0 + step, kt_end, lane);
       }
       if constexpr (STAGE) {
-        cp_async_wait_all();
+        // OUTLIERS: the entries (the newest group) may still be in flight: add waits for them.
+        if constexpr (OUTLIERS) cp_async_wait<1>(); else cp_async_wait_all();
         __syncwarp();  // every lane's pieces have landed
       }
       compute(c, kt0);
+      // OUTLIERS: the next chunk's weights go out before the outlier work, into the registers
+      // compute has just consumed, so that their DRAM round trip overlaps it.
+      if constexpr (OUTLIERS)
+        if (kt0 + step < kt_end) load_chunk(c, kt0 + step, std::true_type{});
       // The outliers' activations: the staged chunk, or the rows the B fragments came from
       // (just read through L1). (Past kt_end there are no entries.)
       if constexpr (OUTLIERS) {
