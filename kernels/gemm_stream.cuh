@@ -731,8 +731,8 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
       if (!OUTLIERS && kt0 != first) load_chunk(c, kt0, std::true_type{});  // (OUTLIERS: loaded during the previous chunk)
       if constexpr (STAGE) stage(kt0);
       else load_chunk(c, kt0, std::false_type{});
-      // OUTLIERS: the entries go out right after the weights and activations (their lookups
-      // came a chunk ago), and the next chunk's lookups after them.
+      // OUTLIERS: the entries go out right after the activations (their lookups came a chunk
+      // ago, the weights during the previous chunk), and the next chunk's lookups after them.
       if constexpr (OUTLIERS) {
         outliers.load(p, lookup, entries, lane);
         lookup = next_lookup<CB>(p, nt, kt0 + step, kt_end, lane);
@@ -743,13 +743,12 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
         __syncwarp();  // every lane's pieces have landed
       }
       compute(c, kt0);
-      // OUTLIERS: the next chunk's weights go out before the outlier work, into the registers
-      // compute has just consumed, so that their DRAM round trip overlaps it.
-      if constexpr (OUTLIERS)
-        if (kt0 + step < kt_end) load_chunk(c, kt0 + step, std::true_type{});
-      // The outliers' activations: the staged chunk, or the rows the B fragments came from
-      // (just read through L1). (Past kt_end there are no entries.)
       if constexpr (OUTLIERS) {
+        // The next chunk's weights go out before the outlier work, into the registers compute
+        // has just consumed, so that their DRAM round trip overlaps it.
+        if (kt0 + step < kt_end) load_chunk(c, kt0 + step, std::true_type{});
+        // The outliers' activations: the staged chunk, or the rows the B fragments came from
+        // (just read through L1). (Past kt_end there are no entries.)
         outliers.add(p, scratch, entries, [&](int nb, int c0, int c1) -> uint32_t {
           if constexpr (STAGE) {
             const uint8_t* row = act_tile + (8 * nb + th.g) * kActPitch<U>;
