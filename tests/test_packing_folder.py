@@ -120,6 +120,20 @@ def test_tiny_round_trip_and_identical_logits(tiny_folders, name):
     assert torch.equal(out, ref)
 
 
+def test_eval_counts_the_packed_linears_calls_by_path(tiny_folders):
+    """What `qoqtool eval` reports under its results (and as linear_paths in --json): the calls
+    of packed linears by path while a model is evaluated - on the CPU, all the reference path."""
+    from qoqtool.eval import runner
+
+    model = packed.load_packed_folder(tiny_folders["prog-g32"][1], fs.read_manifest(tiny_folders["prog-g32"][1]))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        res, paths = runner._counting_linear_paths(lambda: {"forwards": [model(ids) for _ in range(3)]})
+    assert len(res["forwards"]) == 3 and paths == {"reference path": 3 * 14}
+    _, paths = runner._counting_linear_paths(lambda: {})  # counts start afresh for each model
+    assert paths == {}
+
+
 @pytest.mark.parametrize("recipe", ["qoq-w4a8kv4-g128", "qoq-w4a8kv4-chn"])
 def test_tiny_qoq_recipes_pack_exactly(tmp_path, recipe):
     """The full QoQ pipelines (rotation unties the embeddings, smoothing, reordering, GPTQ)."""

@@ -251,12 +251,41 @@ def test_packed_linear_uses_the_fused_kernel_up_to_fused_max_m(kind, group, monk
     for m, fused in ((7, True), (top, True), (top + 1, False)):
         x = torch.randn(m, K, device="cuda", dtype=torch.float16, generator=torch.Generator("cuda").manual_seed(m))
         stopgap_calls.clear()
+        packed_linear.path_calls.clear()
         with torch.no_grad():
             y, ref = module(x), module.reference()(x)
         assert module.use_kernels and packed_linear._kernels() is cuda_ops, "the kernel path did not run"
         assert (not stopgap_calls) == fused, f"M={m}: expected the {'fused kernel' if fused else 'stopgap'}"
+        path = "fused sparse-dense kernel" if fused else "kernel + separate sparse product"
+        assert packed_linear.path_calls == {path: 1}, f"M={m}: eval would report {dict(packed_linear.path_calls)}"
         rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
         assert rel <= REL_TOL, f"M={m}: relative error {rel:.2e} against the reference path"
+
+
+@on_gpu
+@pytest.mark.parametrize("kind,group", KINDS, ids=lambda v: str(v))
+def test_sliced_fused_kernel_above_fused_max_m(kind, group, monkeypatch):
+    """QOQTOOL_FUSED_SLICED: an input of more than FUSED_MAX_M tokens (and not a multiple of it)
+    goes through the fused kernel slice by slice - no separate sparse product - and agrees with
+    the exact reference path; each slice's rows equal the fused kernel on those rows alone."""
+    from qoqtool.runtime import packed_linear
+
+    monkeypatch.setattr(cuda_ops, "FUSED_OUTLIERS", True)
+    monkeypatch.setattr(cuda_ops, "FUSED_SLICED", True)
+    w, _, w8, sparse, _ = section(kind, group, N, K, 0.01)
+    module = packed_linear.PackedLinear.pack(w, None, 8, outliers=sparse).cuda()
+    monkeypatch.setattr(packed_linear.PackedLinear, "_sparse_term", lambda *a: pytest.fail("the separate product ran"))
+    top = cuda_ops.FUSED_MAX_M
+    x = torch.randn(2 * top + 5, K, device="cuda", dtype=torch.float16, generator=torch.Generator("cuda").manual_seed(3))
+    packed_linear.path_calls.clear()
+    with torch.no_grad():
+        y, ref = module(x), module.reference()(x)
+        last = module(x[2 * top:])  # the third slice on its own (M = 5)
+    assert packed_linear._kernels() is cuda_ops, "the kernels are unavailable"
+    assert packed_linear.path_calls == {"fused sparse-dense kernel": 2}, packed_linear.path_calls
+    rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel <= REL_TOL, f"relative error {rel:.2e} against the reference path"
+    assert torch.equal(y[2 * top:], last), "a slice differs from the same rows run alone"
 
 
 @on_gpu
@@ -329,6 +358,10 @@ def test_which_linears_fuse_their_outliers(monkeypatch):
     assert cuda_ops.fuses_outliers(module(), 1) and cuda_ops.fuses_outliers(module(), cuda_ops.FUSED_MAX_M)
     assert cuda_ops.fuses_outliers(module("uint4", None), 16)
     assert not cuda_ops.fuses_outliers(module(), cuda_ops.FUSED_MAX_M + 1)  # the wgmma kernel: stopgap
+    monkeypatch.setattr(cuda_ops, "FUSED_SLICED", True)  # QOQTOOL_FUSED_SLICED=1: W4A8 fused at every M
+    assert cuda_ops.fuses_outliers(module(), 4096) and cuda_ops.fuses_outliers(module("uint4", None), 4096)
+    assert not cuda_ops.fuses_outliers(module("int8_channel", None), 4096)
+    monkeypatch.setattr(cuda_ops, "FUSED_SLICED", False)
     assert not cuda_ops.fuses_outliers(module("int8_channel", None), 1)  # W8A8: stopgap
     assert not cuda_ops.fuses_outliers(module("uint4", 128), 1)  # no W4A8 kernel at all
     assert not cuda_ops.fuses_outliers(module(act_bits=16), 1)

@@ -471,6 +471,12 @@ FUSED_MAX_M = 32
 # QOQTOOL_FUSED_OUTLIERS=0 makes packed models add their outliers with the separate product
 # (the stopgap) at every M, for comparison.
 FUSED_OUTLIERS = os.environ.get("QOQTOOL_FUSED_OUTLIERS", "1") != "0"
+# QOQTOOL_FUSED_SLICED=1 sends every input of a packed W4A8 linear with outliers through the
+# fused kernel, FUSED_MAX_M tokens at a time (the activations are quantized per token, so the
+# slices compute what the whole input would). Slower above FUSED_MAX_M than the wgmma kernel +
+# the separate product (each slice reads all the weights again): it exists to measure the fused
+# kernel end to end on whole-window perplexity, where every linear has thousands of tokens.
+FUSED_SLICED = os.environ.get("QOQTOOL_FUSED_SLICED", "0") == "1"
 _SPARSE_DENSE_ENTRY = {"per_group": "qoq_w4a8_sparse_dense_gemm_per_group",
                        "per_channel": "qoq_w4a8_sparse_dense_gemm_per_channel"}
 
@@ -754,13 +760,23 @@ def fuses_outliers(module, tokens: int) -> bool:
     """Whether packed_linear_forward applies the module's Tile-COO outliers itself: W4A16 always
     (the fused W4A16 kernel, or the reference path above W4A16_MAX_M tokens); W4A8 progressive
     or per-channel UINT4 at most FUSED_MAX_M tokens (the fused sparse-dense kernel). Otherwise
-    the caller adds them (PackedLinear._sparse_term)."""
+    the caller adds them (PackedLinear._sparse_term). FUSED_SLICED: W4A8 at every M, in slices."""
     if not getattr(module, "has_outliers", False):
         return False
     if module.act_bits == 16:
         return module.kind == "uint4" and module.group_size is not None
-    return (FUSED_OUTLIERS and module.act_bits == 8 and tokens <= FUSED_MAX_M
+    return (FUSED_OUTLIERS and module.act_bits == 8 and (tokens <= FUSED_MAX_M or FUSED_SLICED)
             and (module.kind == "progressive" or (module.kind == "uint4" and module.group_size is None)))
+
+
+def kernel_path(module, tokens: int) -> str:
+    """What packed_linear_forward (with PackedLinear's separate product) computed a call with,
+    as `qoqtool eval` reports it."""
+    if module.act_bits == 16 and tokens > W4A16_MAX_M:
+        return "reference path (W4A16 prefill)"
+    if not getattr(module, "has_outliers", False):
+        return "kernel"
+    return "fused sparse-dense kernel" if fuses_outliers(module, tokens) else "kernel + separate sparse product"
 
 
 # The W4A16 kernel is a weight stream for decode-sized M; larger inputs (prefill, perplexity
@@ -829,7 +845,13 @@ def packed_linear_forward(module, x: Tensor) -> Tensor:
         dense, fused = ops.w8a8_gemm, None
         operands = (x_q, x_scale, module.qweight, module.scale)
     if fuses_outliers(module, x_q.shape[0]):  # never for W8A8
-        y = fused(*operands, module.tc_entries, module.tc_start, module.tc_count, n)
+        tc, m = (module.tc_entries, module.tc_start, module.tc_count), x_q.shape[0]
+        if m <= FUSED_MAX_M:
+            y = fused(*operands, *tc, n)
+        else:  # FUSED_SLICED: the per-token operands (x_q, x_scale, per channel x_rowsum) in row slices
+            per_token = 3 if kind == "uint4" else 2
+            y = torch.cat([fused(*(t[i:i + FUSED_MAX_M] for t in operands[:per_token]), *operands[per_token:], *tc, n)
+                           for i in range(0, m, FUSED_MAX_M)])
     else:
         y = dense(*operands, n)
     return _with_bias(module, y, x)

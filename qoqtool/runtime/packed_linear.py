@@ -22,6 +22,7 @@ quantized folder computes.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import torch
 from torch import nn
@@ -34,6 +35,10 @@ from qoqtool.runtime.reference import QuantLinear
 
 TILE_COO_BUFFERS = ("tc_entries", "tc_start", "tc_count")  # a linear's outliers, if it has any
 _kernel_ops = None  # qoqtool.runtime.cuda_ops once loaded; False when the kernels are unavailable
+# Calls of PackedLinear.forward by the path they took (cuda_ops.kernel_path, or REFERENCE_PATH):
+# `qoqtool eval` reports them, so a run on a GPU shows that the kernels - and which ones - ran.
+path_calls: Counter[str] = Counter()
+REFERENCE_PATH = "reference path"
 
 
 def _kernels():
@@ -165,13 +170,16 @@ class PackedLinear(nn.Module):
         if x.is_cuda and self.use_kernels:
             ops = _kernels()
             if ops is not None:
+                tokens = x.numel() // x.shape[-1]
                 try:
                     y = ops.packed_linear_forward(self, x)  # outliers included when the kernel fuses them
-                    if self.has_outliers and not ops.fuses_outliers(self, x.numel() // x.shape[-1]):
+                    if self.has_outliers and not ops.fuses_outliers(self, tokens):
                         y = y + self._sparse_term(ops, x).to(y.dtype)
+                    path_calls[ops.kernel_path(self, tokens)] += 1
                     return y
                 except NotImplementedError:
                     self.use_kernels = False  # no kernel for this format: reference path from now on
+        path_calls[REFERENCE_PATH] += 1
         return self.reference()(x)
 
     def _sparse_term(self, ops, x: torch.Tensor) -> torch.Tensor:
