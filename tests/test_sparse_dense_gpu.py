@@ -358,6 +358,11 @@ def test_which_linears_fuse_their_outliers(monkeypatch):
     assert cuda_ops.fuses_outliers(module(), 1) and cuda_ops.fuses_outliers(module(), cuda_ops.FUSED_MAX_M)
     assert cuda_ops.fuses_outliers(module("uint4", None), 16)
     assert not cuda_ops.fuses_outliers(module(), cuda_ops.FUSED_MAX_M + 1)  # the wgmma kernel: stopgap
+    # ... and what eval reports for each call (cuda_ops.kernel_path)
+    assert cuda_ops.kernel_path(module(), 1) == "fused sparse-dense kernel"
+    assert cuda_ops.kernel_path(module(), cuda_ops.FUSED_MAX_M + 1) == "kernel + separate sparse product"
+    assert cuda_ops.kernel_path(module(has_outliers=False), 1) == "kernel"
+    assert cuda_ops.kernel_path(module("uint4", 128, act_bits=16), cuda_ops.W4A16_MAX_M + 1) == "reference path (W4A16 prefill)"
     monkeypatch.setattr(cuda_ops, "FUSED_SLICED", True)  # QOQTOOL_FUSED_SLICED=1: W4A8 fused at every M
     assert cuda_ops.fuses_outliers(module(), 4096) and cuda_ops.fuses_outliers(module("uint4", None), 4096)
     assert not cuda_ops.fuses_outliers(module("int8_channel", None), 4096)

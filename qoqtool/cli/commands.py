@@ -202,6 +202,10 @@ def evaluate(
     original model on text it generates itself: needs no data), and the lm-eval zero-shot
     tasks **piqa**, **arc_easy**, **arc_challenge** (**arc** = both).
 
+    For a packed folder, a line under the results counts its linears' calls by path (kernel,
+    fused sparse-dense kernel, kernel + separate sparse product, reference path): on a GPU it
+    shows which kernels ran.
+
     Examples:
 
       qoqtool eval smollm2-135m --tasks wikitext2 --data-dir ../shared/data
