@@ -110,3 +110,17 @@ def test_usage_errors_exit_2_without_traceback(args, words):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert words in proc.stderr
+
+
+def test_the_cli_silences_other_libraries_progress_bars():
+    """Only qoqtool's own Rich bars: transformers' GGUF loader, for one, draws a tqdm bar that
+    its progress-bar switch does not reach."""
+    script = ("from qoqtool.cli import _quiet_libraries; _quiet_libraries(); "
+              "from tqdm.auto import tqdm; list(tqdm(range(3), desc='other-library-bar'))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "other-library-bar" not in proc.stderr
+    env["TQDM_DISABLE"] = ""  # a user's own setting is kept
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert "other-library-bar" in proc.stderr

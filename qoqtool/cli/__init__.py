@@ -40,6 +40,9 @@ def _quiet_libraries() -> None:
     import os
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # tqdm reads TQDM_* when it is first imported: this reaches the bars that bypass
+    # transformers' switch, e.g. its GGUF loader's "Converting and de-quantizing GGUF tensors".
+    os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         from transformers.utils import logging as hf_logging
 
