@@ -37,6 +37,7 @@ TILE_COO_BUFFERS = ("tc_entries", "tc_start", "tc_count")  # a linear's outliers
 _kernel_ops = None  # qoqtool.runtime.cuda_ops once loaded; False when the kernels are unavailable
 # Calls of PackedLinear.forward by the path they took (cuda_ops.kernel_path, or REFERENCE_PATH):
 # `qoqtool eval` reports them, so a run on a GPU shows that the kernels - and which ones - ran.
+# (Counted in Python: a call captured into a CUDA graph counts once, not once per replay.)
 path_calls: Counter[str] = Counter()
 REFERENCE_PATH = "reference path"
 
