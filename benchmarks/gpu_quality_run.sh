@@ -40,6 +40,11 @@ if [ -d .gpucarry/pristine ]; then
   for f in kernels/*.cu kernels/*.cuh; do [ -e ".gpucarry/pristine/$f" ] || rm -f "$f"; done
 fi
 
+stage_data() {  # the carried data sets into $G/data, the carried wheels into /tmp/site
+  cp -r .gpucarry/data "$G/data" || exit 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpucarry/whl/*.whl
+}
+
 if [ "$stage" = stash ]; then  # KBUILD: the carried library folder (default .kbuild), or LIBXZ=HASH:FILE.so.xz
   if [ -n "${LIBXZ:-}" ]; then
     mkdir -p "$G/kbuild/${LIBXZ%%:*}" && python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), \
@@ -48,10 +53,7 @@ if [ "$stage" = stash ]; then  # KBUILD: the carried library folder (default .kb
     cp -r "${KBUILD:-.kbuild}" "$G/kbuild" || exit 3
   fi
   cp .gpucarry/p[0-9]* "$G/" || exit 3
-  if [ -d .gpucarry/data ]; then  # carried here too: tests need not run before quality
-    cp -r .gpucarry/data "$G/data" || exit 3
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpucarry/whl/*.whl
-  fi
+  [ -d .gpucarry/data ] && stage_data  # carried here too: tests need not run before quality
   ls -la "$G"; exit
 fi
 
@@ -59,8 +61,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 |
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 
 if [ "$stage" = tests ]; then
-  cp .gpucarry/p[0-9]* "$G/" 2> /dev/null; cp -r .gpucarry/data "$G/data" || exit 3
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpucarry/whl/*.whl
+  cp .gpucarry/p[0-9]* "$G/" 2> /dev/null; stage_data
   timeout "${TESTS_TIMEOUT:-500}" python3 -m pytest -q -m "gpu and not slow" -p no:cacheprovider ${TESTS:-tests} 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
   exit
 fi

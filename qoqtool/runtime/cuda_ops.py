@@ -769,14 +769,20 @@ def fuses_outliers(module, tokens: int) -> bool:
             and (module.kind == "progressive" or (module.kind == "uint4" and module.group_size is None)))
 
 
+# The paths of a packed linear's call on CUDA (kernel_path), as `qoqtool eval` reports them.
+PATH_KERNEL, PATH_FUSED = "kernel", "fused sparse-dense kernel"
+PATH_SEPARATE = "kernel + separate sparse product"  # the caller adds the outliers (PackedLinear._sparse_term)
+PATH_W4A16_PREFILL = "reference path (W4A16 prefill)"
+
+
 def kernel_path(module, tokens: int) -> str:
-    """What packed_linear_forward (with PackedLinear's separate product) computed a call with,
-    as `qoqtool eval` reports it."""
+    """Which computation packed_linear_forward gives a call of `tokens` tokens (PATH_*); with
+    PATH_SEPARATE the caller still has to add the outliers."""
     if module.act_bits == 16 and tokens > W4A16_MAX_M:
-        return "reference path (W4A16 prefill)"
+        return PATH_W4A16_PREFILL
     if not getattr(module, "has_outliers", False):
-        return "kernel"
-    return "fused sparse-dense kernel" if fuses_outliers(module, tokens) else "kernel + separate sparse product"
+        return PATH_KERNEL
+    return PATH_FUSED if fuses_outliers(module, tokens) else PATH_SEPARATE
 
 
 # The W4A16 kernel is a weight stream for decode-sized M; larger inputs (prefill, perplexity

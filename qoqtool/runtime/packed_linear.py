@@ -171,12 +171,12 @@ class PackedLinear(nn.Module):
         if x.is_cuda and self.use_kernels:
             ops = _kernels()
             if ops is not None:
-                tokens = x.numel() // x.shape[-1]
+                path = ops.kernel_path(self, x.numel() // x.shape[-1])
                 try:
-                    y = ops.packed_linear_forward(self, x)  # outliers included when the kernel fuses them
-                    if self.has_outliers and not ops.fuses_outliers(self, tokens):
+                    y = ops.packed_linear_forward(self, x)  # outliers included unless PATH_SEPARATE
+                    if path == ops.PATH_SEPARATE:
                         y = y + self._sparse_term(ops, x).to(y.dtype)
-                    path_calls[ops.kernel_path(self, tokens)] += 1
+                    path_calls[path] += 1
                     return y
                 except NotImplementedError:
                     self.use_kernels = False  # no kernel for this format: reference path from now on
