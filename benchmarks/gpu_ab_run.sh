@@ -3,11 +3,13 @@
 # working tree's kernels) is tested, memchecked and timed against a baseline build in the same
 # process (benchmarks/library_ab.py), then its per-CTA timelines are taken.
 #
-#   [TABLES=1] [SD_EXPLORE=1] [AB_ARGS="--no-gemm"] bash benchmarks/gpu_ab_run.sh BASELINE.so.xz [OTHER.so.xz ...]
+#   [TABLES=1] [SD_EXPLORE=1] [WGMMA_AB=1] [AB_ARGS="--no-gemm"] bash benchmarks/gpu_ab_run.sh BASELINE.so.xz [OTHER.so.xz ...]
 #   bash benchmarks/gpu_ab_run.sh --tests-only      (the tests and memcheck of this tree's library only)
 #
 # AB_ARGS go to library_ab.py; SD_EXPLORE=1 adds benchmarks/sparse_dense.py --explore (the fused
-# kernel's CTA shapes x activation staging) for the candidate.
+# kernel's CTA shapes x activation staging) for the candidate; WGMMA_AB=1 a memcheck of the
+# wgmma kernels' forced configurations, the dense A/B at M = 64, 256, 1024 (the wgmma kernel)
+# and benchmarks/gemm.py --explore-wgmma for the candidate.
 # Each further library is a second baseline for the same candidate (a second A/B, ab-<name>.*).
 # Carry .kbuild (the candidate, prebuilt here with QOQTOOL_KERNEL_CACHE=$PWD/.kbuild python -m
 # qoqtool.kernels.build; one hash folder, ~40 MB) and the baseline library xz-compressed (~4.5 MB;
@@ -41,6 +43,19 @@ for other in "${@:2}"; do
   unxz "$other" "/tmp/$name.so"
   timeout 240 python3 benchmarks/library_ab.py "/tmp/$name.so" ${AB_ARGS:-} --json "$OUT/ab-$name.json" 2>&1 | tee "$OUT/ab-$name.txt" | tail -14
 done
+
+if [ -n "${WGMMA_AB:-}" ]; then
+  stage "compute-sanitizer memcheck (wgmma kernels, forced configurations)"
+  SAN_IDS=$(python3 -m pytest --collect-only -q tests/test_kernels_gemm.py 2>/dev/null |
+    grep -E 'every_configuration_exact\[(wgmma|wgmma_k2)1-split(1|3)-per_group' | head -6)
+  SAN_LOG=sanitizer-wgmma memcheck 120 $SAN_IDS
+  stage "A/B against the baseline: the wgmma kernel (M = 64, 256, 1024)"
+  timeout 240 python3 benchmarks/library_ab.py /tmp/baseline.so --no-fused --ms 64,256,1024 --json "$OUT/ab-wgmma.json" 2>&1 |
+    tee "$OUT/ab-wgmma.txt" | tail -14
+  stage "wgmma choices (candidate)"
+  timeout 300 python3 benchmarks/gemm.py --explore-wgmma --json "$OUT/explore-wgmma.json" 2>&1 |
+    tee "$OUT/explore-wgmma.txt" | tail -24
+fi
 
 if [ -n "${SD_EXPLORE:-}" ]; then
   stage "fused kernel: CTA shapes x staging (candidate)"

@@ -134,6 +134,8 @@ if [ -n "${JOBS:-}" ]; then
                  # same quantized model, so the comparison does not depend on the calibration).
                  # DECODE_EVALS picks the evaluations, in this order (default "whole kernels reference"):
                  #   whole      the reference path (fp32 linears on the GPU), whole windows
+                 #   whole-kernels  the packed folder through the kernels on the same whole windows (every
+                 #              linear at M = 256: the wgmma kernels)
                  #   kernels    the packed folder through the kernels, by decoding
                  #   unfused    the same with QOQTOOL_FUSED_OUTLIERS=0 (dense kernel + separate sparse product)
                  #   reference  the reference linears (fp32, on the GPU) by decoding, KV4 cache and attention kernel
@@ -163,6 +165,7 @@ if [ -n "${JOBS:-}" ]; then
             date +%T
             case $e in
               whole) timeout 100 qoqtool eval "$q" "${W[@]}" --device cuda --json "$OUT/decode-reference-whole-$name.json" ;;
+              whole-kernels) timeout 100 qoqtool eval "$q-packed" "${W[@]}" --device cuda --json "$OUT/whole-kernels-$name.json" ;;
               kernels) timeout 200 qoqtool eval "$q-packed" "${W[@]}" --device cuda --decode-batch 16 \
                          --json "$OUT/decode-kernels-$name.json" ;;
               unfused) QOQTOOL_FUSED_OUTLIERS=0 timeout 200 qoqtool eval "$q-packed" "${W[@]}" --device cuda --decode-batch 16 \

@@ -20,11 +20,11 @@ setup_machine() {
 }
 
 # compute-sanitizer memcheck of the pytest ids after $1 (seconds allowed); its log goes to
-# $OUT/sanitizer.txt and its exit status to SAN_RC (9 when it found errors).
+# $OUT/${SAN_LOG:-sanitizer}.txt and its exit status to SAN_RC (9 when it found errors).
 memcheck() {
   local limit=$1
   shift
   timeout "$limit" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 10 \
-    python3 -m pytest -q -p no:cacheprovider --tb=line "$@" 2>&1 | tee "$OUT/sanitizer.txt" | tail -25
+    python3 -m pytest -q -p no:cacheprovider --tb=line "$@" 2>&1 | tee "$OUT/${SAN_LOG:-sanitizer}.txt" | tail -25
   SAN_RC=$?
 }

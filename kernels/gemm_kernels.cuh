@@ -27,6 +27,8 @@
 //     wgmma instructions (block 0 of all four warps, then block 1), so every lane still reads
 //     its 16 bytes with one 128-bit load. The INT32 tile then goes through shared memory
 //     so that split-K partials and outputs move as coalesced vectors (wgmma_epilogue).
+//     Its K2 form (kWgmmaK2) gives one 128-row tile two warpgroups, each with its own ring,
+//     taking alternate stages; their sums meet in shared memory before the epilogue.
 //
 // Split-K across CTAs (both kernels): each split writes its INT32 partial sums to a
 // workspace; the last CTA of a tile to arrive (an atomic counter per tile) adds the others
@@ -54,7 +56,7 @@ namespace qoq::gemm {
 // kStream: the stream kernel with 8 warps per CTA (2 row tiles x 4 k-slices), two CTAs per SM;
 // kStream1x16 / kStream2x8: 16 warps per CTA (1 x 16, 2 x 8), one CTA per SM - for decode
 // shapes whose row tiles alone fill the GPU, so that K needs no split across CTAs.
-enum class KernelId : int { kStream = 0, kWgmma = 1, kStream1x16 = 2, kStream2x8 = 3 };
+enum class KernelId : int { kStream = 0, kWgmma = 1, kStream1x16 = 2, kStream2x8 = 3, kWgmmaK2 = 4 };
 
 // Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
 // (on by default; qoq_gemm_set_dependent_launch): their CTAs start while the previous kernel
@@ -169,9 +171,9 @@ cudaError_t encode_map(CUtensorMap* map, CUtensorMapDataType type, const void* b
   return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <Kind K, int WGS>
+template <Kind K, int WGS, int KS = 1>
 cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
-  using S = WgmmaShape<K, WGS>;
+  using S = WgmmaShape<K, WGS, KS>;
   int major = 0;
   QOQ_RETURN_IF_ERROR(current_device_major(&major));
   if (major != 9) return cudaErrorInvalidDeviceFunction;  // wgmma exists only in the sm_90a image
@@ -196,9 +198,9 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
     QOQ_RETURN_IF_ERROR(encode_map<3>(&maps.zs1, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.zxs1, {8, G, NT}, {32, 32 * G}, box,
                                       CU_TENSOR_MAP_SWIZZLE_NONE));
   }
-  QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(wgmma_kernel<K, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem));
+  QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(wgmma_kernel<K, WGS, KS>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem));
   const dim3 grid(ceil_div(p.NT, S::kRT), ceil_div(p.M, S::kBN), p.splits);
-  return launch_maybe_pdl(wgmma_kernel<K, WGS>, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), p, maps);
+  return launch_maybe_pdl(wgmma_kernel<K, WGS, KS>, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), p, maps);
 }
 
 // One of the stream kernel's CTA shapes by kernel id (kStream: 8 warps, NB = tile in 1, 2, 4, 8;
@@ -227,11 +229,13 @@ cudaError_t launch_stream_kernel(const Params& p, int kernel, int tile, cudaStre
 }
 
 // kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),
-// wgmma with WGS = tile (1, 2), the 16-warp stream shapes with NB = tile (1, 2).
+// wgmma with WGS = tile (1, 2), wgmma with two warpgroups splitting the stages of one
+// 128-row tile (kWgmmaK2, tile 1), the 16-warp stream shapes with NB = tile (1, 2).
 template <Kind K>
 cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > p.KT) return cudaErrorInvalidValue;
+  if (kernel == static_cast<int>(KernelId::kWgmmaK2)) return tile == 1 ? launch_wgmma<K, 1, 2>(p, stream) : cudaErrorInvalidValue;
   if (kernel != static_cast<int>(KernelId::kWgmma)) return launch_stream_kernel<K, false>(p, kernel, tile, stream);
   switch (tile) {
     case 1: return launch_wgmma<K, 1>(p, stream);

@@ -50,6 +50,7 @@ namespace qoq::gemm {
 constexpr int kCompactTileBytes = kBucketN * kWarp * 2;  // 2 KB
 constexpr int kEntryGroups = 3;
 constexpr int kOutlierWarpBytes = kCompactTileBytes + kEntryGroups * kWarp * 16;  // 3.5 KB
+static_assert(kOutlierWarpBytes % 64 == 0, "each warp's compact tile is 64-byte aligned (ChunkOutliers::add's ldmatrix addresses)");
 
 // k-tiles [aligned_split_begin(z), aligned_split_begin(z + 1)) of split z of a stream-style
 // kernel: whole units of `align` k-tiles (a split never cuts a Tile-COO bucket, 2 k-tiles, or a
@@ -78,11 +79,19 @@ __device__ __forceinline__ void st_shared_u16_if(uint32_t addr, uint32_t bits, u
 }
 
 // Where the four slots of one entry go in column k of the compact tile (bytes 8..11: their
-// rows; `&`: stays in the tile). Computed once per group: the same addresses take the values,
-// then the zeros that clean up.
+// rows; the mask keeps them in the tile). Computed once per group: the same addresses take the
+// values, then the zeros that clean up. All four rows at once, one per byte: compact_offset is
+// 16 * (4 row + x) + 2 (k & 7) with x = ((k >> 3) ^ (row >> 1)) & 3, and 4 row + x < 128 fits
+// its byte, so a shift, a LOP3 and a multiply-add give the four 16-byte piece indices, and each
+// address is then one byte extract and one shift-add (12 instructions; compact_offset per slot
+// compiled to ~35).
 __device__ __forceinline__ void entry_slots(uint32_t tile, const uint4& e, int k, uint32_t (&addr)[4]) {
+  const uint32_t rows = e.z & 0x1f1f1f1fu;                                   // kBucketN = 32 rows
+  const uint32_t x = ((rows >> 1) ^ (((k >> 3) & 3) * 0x01010101u)) & 0x03030303u;  // bits 1, 2 of each row byte
+  const uint32_t piece = rows * 4 + x;                                       // no carries: each byte < 128
+  const uint32_t base = tile + (k & 7) * 2;
 #pragma unroll
-  for (int s = 0; s < 4; ++s) addr[s] = tile + compact_offset((e.z >> (8 * s)) & (kBucketN - 1), k);
+  for (int s = 0; s < 4; ++s) addr[s] = base + (__byte_perm(piece, 0, 0x4440 | s) << 4);
 }
 // Writes the real slots of one entry (byte 13: which slots hold outliers) at their addresses,
 // their fp16 values (bytes 0..7) or zeros. The four rows of an entry differ, so the stores
@@ -95,11 +104,14 @@ __device__ __forceinline__ void scatter_entry(const uint32_t (&addr)[4], const u
     st_shared_u16_if(addr[s], zero ? 0u : (s < 2 ? e.x : e.y) >> (16 * (s & 1)), real & (1u << s));
 }
 
-// Two INT8 activations (the low bytes of a and b) as one fp16x2 register, exactly: biased to
+// Two INT8 activations a, b (bytes, as loaded) as one fp16x2 register, exactly: biased to
 // x + 128 and placed under the exponent of 1024 (0x64XX = 1024 + byte), then 1152 subtracted.
-__device__ __forceinline__ uint32_t s8x2_to_f16x2(uint32_t a, uint32_t b) {
-  const uint32_t biased = __byte_perm(a, b, 0x0040) ^ 0x8080u;  // bytes 0, 1: a, b
-  uint32_t v = __byte_perm(biased, 0x64646464u, 0x4140);
+// Three instructions: a byte-wise load leaves bytes 1..3 of its register zero, so one PRMT
+// spreads a and b to bytes 0 and 2 with zeros between, and one XOR both biases them and sets
+// the exponent bytes (the version with a second PRMT for the exponents also cost a move of
+// its selector per call in the compiled code).
+__device__ __forceinline__ uint32_t s8x2_to_f16x2(uint8_t a, uint8_t b) {
+  uint32_t v = __byte_perm(static_cast<uint32_t>(a), static_cast<uint32_t>(b), 0x1410) ^ 0x64806480u;  // [a, 0, b, 0] -> [a^0x80, 0x64, b^0x80, 0x64]
   const __half2 offset = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
   const __half2 h = __hsub2(*reinterpret_cast<__half2*>(&v), offset);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -163,18 +175,23 @@ struct ChunkOutliers {
     if (total == 0) return;  // warp-uniform
     cp_async_wait_all();     // this lane's entry copies (and any earlier ones) have landed
     __syncwarp();            // ... and every other lane's
+    // This lane's ldmatrix row address for k16 step 0, block 0 (lane l: row l % 16, k 8 (l / 16)).
+    // Block 1 is 16 rows = 1024 bytes further, and step 1 (k + 16) flips bit 1 of the 16-byte
+    // piece index, i.e. bit 5 of the address (row / 2 adds 8 blk, a multiple of 4, to the
+    // swizzle, and the tile is 64-byte aligned): lane constants, not recomputed per group.
+    const uint32_t ldm = tile + compact_offset(lane & 15, 8 * (lane >> 4));
     for (int f0 = 0; f0 < total; f0 += kWarp) {
       const int f = f0 + lane;
       uint4 e = make_uint4(0, 0, 0, 0);  // no real slot
       if (f < total) e = f0 < kEntryGroups * kWarp ? lds_v4(entries + 16 * f) : ldg_stream_v4(p.tc_entries + at(f));
-      group(tile, e, f0, x_pair, sparse, lane);
+      group(tile, ldm, e, f0, x_pair, sparse, lane);
     }
   }
 
   // Entries f0 .. f0 + 31 (this lane's: e, entry f0 + lane; an all-zero e has no real slot).
   template <class XPair>
-  __device__ __forceinline__ void group(uint32_t tile, const uint4& e, int f0, XPair&& x_pair, float (&sparse)[2][NB][4],
-                                        int lane) {
+  __device__ __forceinline__ void group(uint32_t tile, uint32_t ldm, const uint4& e, int f0, XPair&& x_pair,
+                                        float (&sparse)[2][NB][4], int lane) {
     // This entry's chunk-relative column (byte 12: the bucket-local one); a lane without an
     // entry gathers column 0 of the chunk, which exists (a k-tile past the split does not).
     const int col = f0 + lane < total ? bucket(f0 + lane) * kBucketK + static_cast<int>(e.w & (kBucketK - 1)) : 0;
@@ -189,7 +206,7 @@ struct ChunkOutliers {
       uint32_t a[2][4];
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk)  // lane l gives row 16blk + l%16 at k 16s + 8(l/16)
-        ldmatrix_x4(a[blk], tile + compact_offset(16 * blk + (lane & 15), 16 * s + 8 * (lane >> 4)));
+        ldmatrix_x4(a[blk], (s == 0 ? ldm : ldm ^ 32u) + 1024 * blk);
       // mma.m16n8k16's B registers: k 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of this step,
       // i.e. the columns of entries 16s + 2t + {0, 1, 8, 9}.
       const int k = 16 * s + 2 * (lane & 3);

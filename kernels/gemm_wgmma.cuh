@@ -22,13 +22,24 @@ namespace qoq::gemm {
 // copies S-1 stages ahead and they complete on the stage's `full` mbarrier; each warp
 // arrives on the stage's `empty` mbarrier once its wgmmas of that stage have retired, which
 // lets thread 0 reuse the slot. Warpgroups never wait for each other otherwise.
+//
+// KS = 2 (kernel id kWgmmaK2, WGS = 1): two warpgroups share one 128-row tile and split its
+// stages, warpgroup q taking stages q, q + 2, q + 4, ... Each has its own half of the slots
+// (a ring of kStages / 2, refilled by its own first thread), so the two run as independent
+// pipelines - twice the work in flight per SM for the same rows - and their sums meet once,
+// in shared memory, before the epilogue. Why: with one warpgroup a stage costs ~0.72 us
+// against 0.26 us of tensor-core work (a latency chain: wait for the slot, fragments,
+// dequantization, 8 wgmmas, their retirement), and at M ~ 256 there are too few 128 x 128
+// tiles to give every SM two CTAs; splitting K across CTAs instead costs a workspace round
+// trip and a fixed cost per CTA.
 
 struct TmaMaps {
   CUtensorMap x, w, s1, zs1;  // s1/zs1 only for progressive weights
 };
 
-template <Kind K, int WGS>
+template <Kind K, int WGS, int KS = 1>
 struct WgmmaShape {
+  static_assert(KS == 1 || (KS == 2 && WGS == 1), "a K split of two warpgroups over one 128-row tile");
   static constexpr int kBN = 128;      // tokens per CTA
   static constexpr int kRT = 4 * WGS;  // row tiles per CTA
   static constexpr int kKT = 4;        // k-tiles per stage
@@ -36,10 +47,14 @@ struct WgmmaShape {
   static constexpr int kWBytes = kRT * kKT * 32 * kLaneBytes<K>;
   static constexpr int kPBytes = K == Kind::kProgressive ? 2 * kRT * 4 * 32 : 0;  // up to 4 groups a stage
   static constexpr int kStage = (kXBytes + kWBytes + kPBytes + 1023) / 1024 * 1024;
-  static constexpr int kStages = (200 * 1024 / kStage) < 6 ? (200 * 1024 / kStage) : 6;
+  static constexpr int kMaxStages = KS == 1 ? 6 : 8;  // KS = 2: up to 4 slots per warpgroup
+  static constexpr int kFit = 200 * 1024 / kStage;
+  static constexpr int kStages = (kFit < kMaxStages ? kFit : kMaxStages) / KS * KS;
+  static constexpr int kRing = kStages / KS;             // the slots of one warpgroup's pipeline
   static constexpr int kSmem = kStages * kStage + 1024;  // + 1024: the base is rounded up to 1024
-  static constexpr int kThreads = WGS * 128;
-  static_assert(kStages >= 3, "the pipeline needs three stages");
+  static constexpr int kThreads = WGS * KS * 128;
+  static constexpr int kConsumerWarps = 4 * WGS;         // the warps that read one stage (its `empty` count)
+  static_assert(kRing >= 3, "each pipeline needs three stages");
 };
 
 // The wgmma kernel's split-K and epilogue go through shared memory. A lane's accumulators
@@ -51,26 +66,38 @@ struct WgmmaShape {
 // [rows] INT32 tile, each thread owns instead 32 chunks of 4 consecutive rows of one token
 // (tokens 4 apart): partial sums move as coalesced 16-byte loads and stores, 16 in flight
 // at once, and the scales are read before anything is stored.
-template <int WGS>
+template <int WGS, int KS = 1>
 struct WgmmaStaging {
   static constexpr int kRows = 128 * WGS;                // rows of the CTA's tile
   static constexpr int kPitch = kRows + 4;               // words per token: +4 puts a warp's 32 staging stores on 32 banks
   static constexpr int kChunks = kRows / 4;              // 16-byte chunks per token
-  static constexpr int kTokenStep = 128 * WGS / kChunks; // = 4 tokens per pass of the CTA's threads
-  static constexpr int kPasses = 128 / kTokenStep;       // = 32 chunks per thread
+  static constexpr int kTokenStep = 128 * WGS * KS / kChunks;  // = 4 (KS = 2: 8) tokens per pass of the CTA's threads
+  static constexpr int kPasses = 128 / kTokenStep;       // = 32 (16) chunks per thread
   static constexpr int kBytes = 128 * kPitch * 4;
 };
 
-template <Kind K, int WGS>
+template <Kind K, int WGS, int KS = 1>
 __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2][64], int* tile, int m0, int nt0) {
-  using T = WgmmaStaging<WGS>;
+  using T = WgmmaStaging<WGS, KS>;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
+  const int wg = warp / (4 * WGS), rw = warp % (4 * WGS);  // KS = 2: which K half, and the warp's row tile
+  auto at = [&](int b, int i) { return (8 * (i >> 2) + 2 * t + (i & 1)) * T::kPitch + 32 * rw + 16 * b + g + 8 * ((i >> 1) & 1); };
+  if (wg == KS - 1) {  // KS = 2: the second half's sums first, then the first half adds its own
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+    for (int b = 0; b < 2; ++b)
 #pragma unroll
-    for (int i = 0; i < 64; ++i)
-      tile[(8 * (i >> 2) + 2 * t + (i & 1)) * T::kPitch + 32 * warp + 16 * b + g + 8 * ((i >> 1) & 1)] = acc[b][i];
+      for (int i = 0; i < 64; ++i) tile[at(b, i)] = acc[b][i];
+  }
   __syncthreads();
+  if constexpr (KS == 2) {
+    if (wg == 0) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) tile[at(b, i)] += acc[b][i];  // exact: INT32
+    }
+    __syncthreads();
+  }
 
   const int c = tid % T::kChunks, first = tid / T::kChunks;  // rows n0..n0+3 of tokens m0 + first + 4j
   const int n0 = nt0 * 32 + 4 * c;
@@ -146,10 +173,10 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   }
 }
 
-template <Kind K, int WGS>
-__global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
+template <Kind K, int WGS, int KS = 1>
+__global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if QOQ_HAS_WGMMA
-  using S = WgmmaShape<K, WGS>;
+  using S = WgmmaShape<K, WGS, KS>;
   constexpr int kBytes = kLaneBytes<K>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * S::kStages];  // full[0, S), empty[S, 2S)
@@ -163,6 +190,11 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
   const int stages = ceil_div(p.KT, S::kKT);
   const int st_begin = split_begin(stages, blockIdx.z, p.splits), n_stages = split_begin(stages, blockIdx.z + 1, p.splits) - st_begin;
   const int kt_begin = st_begin * S::kKT;
+  // This warp's pipeline (KS = 2: warpgroup q takes the split's stages q, q + KS, ...; its
+  // slots are q * kRing .. + kRing - 1), the thread that issues its copies, and its stages.
+  const int kq = KS == 1 ? 0 : warp / 4;
+  const int lead = kq * 128, mine = KS == 1 ? n_stages : (n_stages - kq + KS - 1) / KS;
+  auto slot = [&](int j) { return kq * S::kRing + j % S::kRing; };
   const int gps = p.groups_per_stage;
   const uint32_t param_box = S::kRT * gps * 32;  // bytes of one parameter box
   const uint32_t tx_bytes = S::kXBytes + S::kWBytes + (K == Kind::kProgressive ? 2 * param_box : 0);
@@ -170,17 +202,17 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
   pdl_launch_dependents();  // the next kernel may start; it waits for us before it reads our output
   if (tid == 0) {
     for (int i = 0; i < S::kStages; ++i) {
-      mbar_init(full + 8 * i, 1);                 // thread 0's arrive.expect_tx
-      mbar_init(empty + 8 * i, S::kThreads / kWarp);  // one arrival per warp
+      mbar_init(full + 8 * i, 1);                       // the issuing thread's arrive.expect_tx
+      mbar_init(empty + 8 * i, S::kConsumerWarps);      // one arrival per warp that reads the stage
     }
     mbar_fence_init();
   }
   __syncthreads();
   pdl_wait();  // the previous kernel (which may write our activations) has finished
 
-  auto issue = [&](int s) {  // thread 0: all copies of stage s
-    const int slot = s % S::kStages, kt0 = kt_begin + s * S::kKT;
-    const uint32_t base = smem + slot * S::kStage, bar = full + 8 * slot;
+  auto issue = [&](int j) {  // the pipeline's lead thread: all copies of its j-th stage
+    const int kt0 = kt_begin + (kq + KS * j) * S::kKT;
+    const uint32_t base = smem + slot(j) * S::kStage, bar = full + 8 * slot(j);
     mbar_arrive_expect_tx(bar, tx_bytes);
     tma_load_2d(base, &maps.x, kt0 * 32, m0, bar);
     tma_load_3d(base + S::kXBytes, &maps.w, 0, kt0, nt0, bar);
@@ -197,19 +229,19 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[b][i] = 0;
 
-  if (tid == 0)
-    for (int s = 0; s < S::kStages - 1 && s < n_stages; ++s) issue(s);
-  const int rt = warp;  // this warp's row tile in the CTA (warp w of warpgroup q: 4q + w)
-  for (int s = 0; s < n_stages; ++s) {
-    const int ahead = s + S::kStages - 1;  // refill the slot of stage s-1, released at the end of iteration s-1
-    if (tid == 0 && ahead < n_stages) {
-      if (ahead >= S::kStages) mbar_wait(empty + 8 * (ahead % S::kStages), (ahead / S::kStages - 1) & 1);
+  if (tid == lead)
+    for (int j = 0; j < S::kRing - 1 && j < mine; ++j) issue(j);
+  const int rt = warp % S::kRT;  // this warp's row tile in the CTA (warp w of warpgroup q: 4q + w; KS = 2: w)
+  for (int j = 0; j < mine; ++j) {
+    const int ahead = j + S::kRing - 1;  // refill the slot of stage j-1, released at the end of iteration j-1
+    if (tid == lead && ahead < mine) {
+      if (ahead >= S::kRing) mbar_wait(empty + 8 * slot(ahead), (ahead / S::kRing - 1) & 1);
       issue(ahead);
     }
-    mbar_wait(full + 8 * (s % S::kStages), (s / S::kStages) & 1);
+    mbar_wait(full + 8 * slot(j), (j / S::kRing) & 1);
     __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
 
-    const uint32_t base = smem + (s % S::kStages) * S::kStage;
+    const uint32_t base = smem + slot(j) * S::kStage;
     // All of the stage's fragments first: their shared-memory latencies overlap. No k-tile is
     // skipped in the last, partial stage: TMA filled the k-tiles past K with zeros (weights,
     // group parameters and activations alike), and they add zero.
@@ -244,11 +276,11 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(const Params p, con
     }
     wgmma_commit();
     wgmma_wait<0>();
-    if (lane == 0) mbar_arrive(empty + 8 * (s % S::kStages));  // this stage's slot can be refilled
+    if (lane == 0) mbar_arrive(empty + 8 * slot(j));  // this stage's slot can be refilled
   }
   __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
-  static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS>::kBytes, "the staging tile must fit in the pipeline's slots");
-  wgmma_epilogue<K, WGS>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
+  static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS, KS>::kBytes, "the staging tile must fit in the pipeline's slots");
+  wgmma_epilogue<K, WGS, KS>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
 #endif  // QOQ_HAS_WGMMA
 }
 }  // namespace qoq::gemm

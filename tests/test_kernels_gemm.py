@@ -146,18 +146,33 @@ def test_odd_shapes_exact(kind, n, k, group, m):
     check_gemm(kind, m, n, k, group or 128)
 
 
+# The demo model's linears (SmolLM2-135M: q/o, k/v, gate/up, down) at the token counts of a
+# prefill or an evaluation window, through whatever the plan picks for them (K = 576 is 4.5
+# pipeline stages: the wgmma kernels' last stage is partial, and the K2 form's two warpgroups
+# get three and two).
+@on_gpu
+@pytest.mark.parametrize("kind,group", [("per_group", 128), ("per_channel", 0)])
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [64, 256, 2048])
+def test_demo_model_shapes_exact(kind, group, n, k, m):
+    check_gemm(kind, m, n, k, group or 128)
+
+
 # Every kernel instantiation and split count the plan can pick, on a shape that divides
 # nothing evenly (M = 100 tokens, 23 k-tiles, 32 row tiles with a partial last one).
+# The K2 form also at 5 splits of the 6 stages: splits of one stage leave its second
+# warpgroup without work.
 FORCED = [cuda_ops.Plan(cuda_ops.STREAM, nb, s) for nb in (1, 2, 4, 8) for s in (1, 3)] + [
     cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 3)
-] + [cuda_ops.Plan(wide, nb, s) for wide in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for nb in (1, 2) for s in (1, 3)]
+] + [cuda_ops.Plan(cuda_ops.WGMMA_K2, 1, s) for s in (1, 3, 5)] + [
+    cuda_ops.Plan(wide, nb, s) for wide in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for nb in (1, 2) for s in (1, 3)]
 
 
 @on_gpu
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("forced", FORCED, ids=lambda p: f"{cuda_ops.KERNEL_NAMES[p.kernel]}{p.tile}-split{p.splits}")
 def test_every_configuration_exact(kind, forced, monkeypatch):
-    if forced.kernel == cuda_ops.WGMMA and torch.cuda.get_device_capability()[0] != 9:
+    if forced.kernel in (cuda_ops.WGMMA, cuda_ops.WGMMA_K2) and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs a Hopper GPU")
     monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", forced)
     check_gemm(kind, 100, 1000, 736, 32)
@@ -454,7 +469,7 @@ def test_plan_covers_the_gpu(m, n, k):
     if m <= 32:
         assert p.kernel in stream_kernels and 8 * p.tile >= m
     else:
-        assert p.kernel == cuda_ops.WGMMA
+        assert p.kernel in (cuda_ops.WGMMA, cuda_ops.WGMMA_K2)
     if n * k >= 4096 * 4096:
         assert ctas >= sms / 2  # enough CTAs to keep every multiprocessor busy
     assert cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False).kernel in stream_kernels  # sm_80: mma.sync only
@@ -463,7 +478,7 @@ def test_plan_covers_the_gpu(m, n, k):
 
 # The fastest configuration measured on the H200 for these cases (benchmarks/notes-gemm.md:
 # the stream rows from version 9's --stage-ab (splits) and --explore-wide (16-warp CTAs), the
-# wgmma rows from version 6's --explore-wgmma, which timed every warpgroup x split choice):
+# wgmma rows from version 14's --explore-wgmma, which timed every warpgroup x split choice):
 # the plan must keep picking it.
 MEASURED_BEST = [  # (M, N, K, kernel, tile, splits)
     (1, 4096, 4096, cuda_ops.STREAM_1X16, 1, 1),
@@ -474,16 +489,20 @@ MEASURED_BEST = [  # (M, N, K, kernel, tile, splits)
     (16, 14336, 4096, cuda_ops.STREAM, 2, 1),
     (32, 8192, 8192, cuda_ops.STREAM, 4, 2),
     (32, 4096, 4096, cuda_ops.STREAM, 4, 4),
-    (64, 4096, 4096, cuda_ops.WGMMA, 1, 4),
-    (256, 4096, 4096, cuda_ops.WGMMA, 1, 2),
-    (512, 4096, 4096, cuda_ops.WGMMA, 2, 2),
-    (64, 8192, 8192, cuda_ops.WGMMA, 2, 4),
-    (256, 8192, 8192, cuda_ops.WGMMA, 2, 2),
+    (64, 4096, 4096, cuda_ops.WGMMA_K2, 1, 4),
+    (256, 4096, 4096, cuda_ops.WGMMA_K2, 1, 2),
+    (512, 4096, 4096, cuda_ops.WGMMA_K2, 1, 1),
+    (64, 8192, 8192, cuda_ops.WGMMA_K2, 1, 2),
+    (256, 8192, 8192, cuda_ops.WGMMA_K2, 1, 1),
     (512, 8192, 8192, cuda_ops.WGMMA, 2, 1),
-    (64, 14336, 4096, cuda_ops.WGMMA, 2, 2),
+    (64, 14336, 4096, cuda_ops.WGMMA_K2, 1, 1),
     (256, 14336, 4096, cuda_ops.WGMMA, 2, 1),
-    (128, 4096, 11008, cuda_ops.WGMMA, 1, 4),
-    (256, 4096, 11008, cuda_ops.WGMMA, 2, 4),
+    (128, 4096, 11008, cuda_ops.WGMMA_K2, 1, 4),
+    (256, 4096, 11008, cuda_ops.WGMMA_K2, 1, 2),
+    (128, 11008, 4096, cuda_ops.WGMMA_K2, 1, 1),
+    (256, 11008, 4096, cuda_ops.WGMMA, 2, 1),   # three splits took 1.23x as long (the partials' round trip)
+    (1024, 14336, 4096, cuda_ops.WGMMA, 2, 1),  # the K2 form took 1.02x as long
+    (1024, 4096, 11008, cuda_ops.WGMMA, 2, 1),
 ]
 
 
@@ -496,7 +515,8 @@ def test_plan_picks_the_measured_best(m, n, k, kernel, tile, splits):
     cuda_ops.Plan(cuda_ops.STREAM, 3, 1),   # NB 3
     cuda_ops.Plan(cuda_ops.STREAM, 1, 0),   # no split
     cuda_ops.Plan(cuda_ops.STREAM, 1, 24),  # more splits than k-tiles
-    cuda_ops.Plan(4, 1, 1),                 # no such kernel
+    cuda_ops.Plan(5, 1, 1),                 # no such kernel
+    cuda_ops.Plan(cuda_ops.WGMMA_K2, 2, 1), # the K2 form has one row warpgroup
     cuda_ops.Plan(cuda_ops.STREAM_1X16, 4, 1),  # 16-warp stream CTAs exist for NB = 1, 2 only
     cuda_ops.Plan(cuda_ops.WGMMA, 3, 1),    # three warpgroups
     cuda_ops.Plan(cuda_ops.WGMMA, 1, 7),    # wgmma splits whole 4-k-tile stages

@@ -112,8 +112,9 @@ def _call(name: str, *args) -> None:
 
 
 # -- tile configuration by M ------------------------------------------------------------------
-STREAM, WGMMA, STREAM_1X16, STREAM_2X8 = 0, 1, 2, 3  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
-KERNEL_NAMES = {STREAM: "stream", WGMMA: "wgmma", STREAM_1X16: "stream1x16", STREAM_2X8: "stream2x8"}
+STREAM, WGMMA, STREAM_1X16, STREAM_2X8, WGMMA_K2 = 0, 1, 2, 3, 4  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
+KERNEL_NAMES = {STREAM: "stream", WGMMA: "wgmma", STREAM_1X16: "stream1x16", STREAM_2X8: "stream2x8", WGMMA_K2: "wgmma_k2"}
+_WGMMA_KERNELS = (WGMMA, WGMMA_K2)  # WGMMA_K2: one 128-row tile, two warpgroups taking alternate stages
 # The stream kernel's CTA shapes: (row tiles, k-slice warps) by kernel id (launch_stream_shape).
 _STREAM_SHAPES = {STREAM: (2, 4), STREAM_1X16: (1, 16), STREAM_2X8: (2, 8)}
 
@@ -125,16 +126,19 @@ _STREAM_CHUNK = {1: 8, 2: 8, 4: 4, 8: 2}
 _STREAM_CTAS_PER_SM = {1: 2, 2: 2, 4: 2, 8: 1}
 _WGMMA_TOKENS, _WGMMA_ROW_TILES_PER_WG = 128, 4
 _WGMMA_MIN_M = 33  # measured on the H200 (benchmarks/notes-gemm.md): wgmma wins from M = 64, stream at M = 32
-# The wgmma kernel's time, fitted by least squares to every (warpgroups, splits) choice of
-# benchmarks/gemm.py --explore-wgmma on the H200 (M = 64..512, four shapes; notes-gemm.md,
-# version 6): per wave of CTAs a fixed cost plus a cost per 128-wide pipeline stage of one CTA
-# (two warpgroups do twice the rows in ~1.55x the time), and per extra K split the partials'
-# round trip through the workspace. Microseconds. (A refit to the final kernel's sweep moves
-# the two-warpgroup stage cost by -10%, the others by 3% or less, and picks worse on that very
-# sweep - 23.0 instead of 21.8 us at M = 256 on 4096^2 - so these stay.)
-_WGMMA_WAVE_US = 6.9
-_WGMMA_STAGE_US = {1: 0.72, 2: 1.12}
-_WGMMA_SPLIT_US = 1.5
+# The wgmma kernel's time, fitted by least squares (relative error) to every choice that
+# benchmarks/gemm.py --explore-wgmma timed on the H200 (1 or 2 row warpgroups or the K2 form,
+# x 1-4 or 8 splits; 27 cases, M = 64..2048 on five shapes; notes-gemm.md, version 14): per
+# wave of CTAs a fixed cost plus a cost per 128-wide pipeline stage that one warpgroup walks
+# (two row warpgroups do twice the rows in ~1.26x the time of one; in the K2 form each of the
+# two walks half of the stages at ~1.36x a lone warpgroup's cost per stage), and per extra K
+# split a fixed cost plus the INT32 partials' round trip through the workspace, which grows
+# with the output (M x N x 4 bytes per split). Microseconds. It picks the measured best in all
+# 27 cases; a constant cost per split (the model before the K2 form) picked 23% slower
+# choices where the partials are large (M = 256, N = 11008: three splits of two warpgroups).
+_WGMMA_WAVE_US = 2.98
+_WGMMA_STAGE_US = {(WGMMA, 1): 0.829, (WGMMA, 2): 1.043, (WGMMA_K2, 1): 1.125}
+_WGMMA_SPLIT_US, _WGMMA_SPLIT_US_PER_MB = 0.99, 0.497
 MAX_SPLITS = 8
 
 
@@ -159,10 +163,10 @@ class Plan:
 
 def check_plan(p: Plan, k_tiles: int) -> None:
     """A plan the library can launch (PLAN_OVERRIDE may hold any): raise ValueError if not."""
-    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2), STREAM_1X16: (1, 2), STREAM_2X8: (1, 2)}
+    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2), STREAM_1X16: (1, 2), STREAM_2X8: (1, 2), WGMMA_K2: (1,)}
     if p.kernel not in tiles or p.tile not in tiles[p.kernel]:
         raise ValueError(f"no kernel {p.kernel} with tile {p.tile}: kernels and tiles are {tiles}")
-    most = math.ceil(k_tiles / 4) if p.kernel == WGMMA else k_tiles  # wgmma splits whole 4-k-tile stages
+    most = math.ceil(k_tiles / 4) if p.kernel in _WGMMA_KERNELS else k_tiles  # wgmma splits whole 4-k-tile stages
     if not 1 <= p.splits <= most:
         raise ValueError(f"{p.splits} K splits for {k_tiles} k-tiles: between 1 and {most}")
 
@@ -188,10 +192,11 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
     1.05-1.11x on 4096 x 14336, 1.02-1.10x on 8192 x 8192; where they would need two waves
     (14336 x 4096) they were 0.76-0.84x, and the plan keeps the 8-warp CTAs there.
     M > 32 on Hopper: the wgmma kernel, 128 tokens per CTA, one CTA per multiprocessor, with
-    1 or 2 warpgroups (128 or 256 rows) and 1..8 K splits (whole pipeline stages): the least
-    time in a model fitted to the measurements (_WGMMA_*: waves x (fixed + stages per split x
-    cost per stage) + cost per extra split). On the final kernel's sweep (16 choices x 16
-    cases, M = 64..512 on four shapes) it picks the fastest in 15 cases and one 3% off.
+    1 or 2 warpgroups of 128 rows each, or the K2 form (128 rows, two warpgroups taking
+    alternate stages), and 1..8 K splits (whole pipeline stages): the least time in a model
+    fitted to the measurements (_WGMMA_*: waves x (fixed + stages a warpgroup walks x cost per
+    stage) + cost per extra split, growing with the output). On its sweep (up to 15 choices x 27
+    cases, M = 64..2048 on five shapes) it picks the fastest in all 27, the K2 form in 15.
     """
     if m < _WGMMA_MIN_M or not hopper:
         nb = stream_tile(m)
@@ -206,14 +211,17 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
         return Plan(STREAM, nb, max(1, min(splits, full_chunks, MAX_SPLITS)))
     stages = math.ceil(k_tiles / 4)
     best, best_cost = None, math.inf
-    for wgs in (2, 1):
-        tiles = Plan(WGMMA, wgs, 1).grid_tiles(m, n_tiles)
+    for kernel, wgs in _WGMMA_STAGE_US:
+        tiles = Plan(kernel, wgs, 1).grid_tiles(m, n_tiles)
         for splits in range(1, min(MAX_SPLITS, stages) + 1):
             waves = math.ceil(tiles * splits / sms)
-            cost = waves * (_WGMMA_WAVE_US + math.ceil(stages / splits) * _WGMMA_STAGE_US[wgs])
-            cost += _WGMMA_SPLIT_US * (splits - 1)
+            walked = math.ceil(stages / splits)  # the stages of one split ...
+            if kernel == WGMMA_K2:
+                walked = math.ceil(walked / 2)  # ... of which each of the K2 form's warpgroups takes every other one
+            cost = waves * (_WGMMA_WAVE_US + walked * _WGMMA_STAGE_US[kernel, wgs])
+            cost += (splits - 1) * (_WGMMA_SPLIT_US + _WGMMA_SPLIT_US_PER_MB * m * n_tiles * 32 * 4 / 1e6)
             if cost < best_cost:
-                best, best_cost = Plan(WGMMA, wgs, splits), cost
+                best, best_cost = Plan(kernel, wgs, splits), cost
     return best
 
 
