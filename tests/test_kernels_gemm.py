@@ -172,7 +172,7 @@ FORCED = [cuda_ops.Plan(cuda_ops.STREAM, nb, s) for nb in (1, 2, 4, 8) for s in 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("forced", FORCED, ids=lambda p: f"{cuda_ops.KERNEL_NAMES[p.kernel]}{p.tile}-split{p.splits}")
 def test_every_configuration_exact(kind, forced, monkeypatch):
-    if forced.kernel in (cuda_ops.WGMMA, cuda_ops.WGMMA_K2) and torch.cuda.get_device_capability()[0] != 9:
+    if forced.kernel in cuda_ops.WGMMA_KERNELS and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs a Hopper GPU")
     monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", forced)
     check_gemm(kind, 100, 1000, 736, 32)
@@ -469,7 +469,7 @@ def test_plan_covers_the_gpu(m, n, k):
     if m <= 32:
         assert p.kernel in stream_kernels and 8 * p.tile >= m
     else:
-        assert p.kernel in (cuda_ops.WGMMA, cuda_ops.WGMMA_K2)
+        assert p.kernel in cuda_ops.WGMMA_KERNELS
     if n * k >= 4096 * 4096:
         assert ctas >= sms / 2  # enough CTAs to keep every multiprocessor busy
     assert cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False).kernel in stream_kernels  # sm_80: mma.sync only

@@ -114,7 +114,7 @@ def _call(name: str, *args) -> None:
 # -- tile configuration by M ------------------------------------------------------------------
 STREAM, WGMMA, STREAM_1X16, STREAM_2X8, WGMMA_K2 = 0, 1, 2, 3, 4  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
 KERNEL_NAMES = {STREAM: "stream", WGMMA: "wgmma", STREAM_1X16: "stream1x16", STREAM_2X8: "stream2x8", WGMMA_K2: "wgmma_k2"}
-_WGMMA_KERNELS = (WGMMA, WGMMA_K2)  # WGMMA_K2: one 128-row tile, two warpgroups taking alternate stages
+WGMMA_KERNELS = (WGMMA, WGMMA_K2)  # the Hopper-only kernels (sm_90a); WGMMA_K2: one 128-row tile, two warpgroups taking alternate stages
 # The stream kernel's CTA shapes: (row tiles, k-slice warps) by kernel id (launch_stream_shape).
 _STREAM_SHAPES = {STREAM: (2, 4), STREAM_1X16: (1, 16), STREAM_2X8: (2, 8)}
 
@@ -166,7 +166,7 @@ def check_plan(p: Plan, k_tiles: int) -> None:
     tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2), STREAM_1X16: (1, 2), STREAM_2X8: (1, 2), WGMMA_K2: (1,)}
     if p.kernel not in tiles or p.tile not in tiles[p.kernel]:
         raise ValueError(f"no kernel {p.kernel} with tile {p.tile}: kernels and tiles are {tiles}")
-    most = math.ceil(k_tiles / 4) if p.kernel in _WGMMA_KERNELS else k_tiles  # wgmma splits whole 4-k-tile stages
+    most = math.ceil(k_tiles / 4) if p.kernel in WGMMA_KERNELS else k_tiles  # wgmma splits whole 4-k-tile stages
     if not 1 <= p.splits <= most:
         raise ValueError(f"{p.splits} K splits for {k_tiles} k-tiles: between 1 and {most}")
 
