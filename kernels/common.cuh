@@ -125,6 +125,10 @@ __device__ __forceinline__ void cp_async_16_ca(uint32_t dst, const void* src, bo
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// 4 bytes through L1 (.ca; cp.async copies 4 or 8 bytes only through L1).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Every cp.async of this thread has landed; a compiler barrier too, so that plain loads of
 // the copied bytes are not moved above it.

@@ -11,7 +11,8 @@
 //
 //   stream_kernel (mma.sync, sm_80 and sm_90a) - decode-sized M. A memory-bound weight
 //     stream: each warp loads its lanes' 16-byte fragments global -> registers with
-//     L1-bypassing 128-bit loads, U k-tiles in flight at once; activations (small, shared by
+//     L1-bypassing 128-bit loads, U k-tiles in flight at once (from M = 8 the next chunk's also
+//     in flight, copied into shared memory while this one multiplies); activations (small, shared by
 //     every row tile) come through L1, copied per chunk into a per-warp shared-memory buffer
 //     from M = 8 (as 32-bit B fragments straight from global memory below); the warps of a CTA split K
 //     and reduce in shared memory; CTAs split K too when the grid would not fill the GPU.
@@ -108,7 +109,9 @@ inline unsigned long long*& trace_buffer() {
 // with one-k-tile groups (g32) and NB = 2 the chunk is halved, so that its per-k-tile
 // parameter words fit beside the partial sums.
 // (Measured on the H200 and not kept: two chunks in registers, the next one's loads in flight
-// while one multiplies, with U or U / 2 k-tiles - within +-5% of this, better or worse by shape.)
+// while one multiplies, with U or U / 2 k-tiles - within +-5% of this, better or worse by shape;
+// what is kept instead, from M = 8, is the next chunk copied into a per-warp shared-memory slot
+// while this one multiplies: kNextChunkBytes.)
 template <Kind K, int NB, bool OUTLIERS, int GKc, int RT = 2, int WK = 4>
 cudaError_t launch_stream_shape(const Params& p, cudaStream_t stream) {
   constexpr int U0 = NB <= 2 ? 8 : (NB == 4 ? 4 : 2);
@@ -118,7 +121,7 @@ cudaError_t launch_stream_shape(const Params& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);
   auto go = [&](auto stage) {
     constexpr bool STAGE = decltype(stage)::value;
-    constexpr int kSmem = kStreamSmemBytes<NB, RT, WK, U, OUTLIERS, STAGE>;
+    constexpr int kSmem = kStreamSmemBytes<K, NB, RT, WK, U, (K == Kind::kProgressive ? U / G : 1), OUTLIERS, STAGE>;
     const auto kernel = stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS, OUTLIERS, G, STAGE>;
     // (Static + dynamic shared memory above 48 KB needs the opt-in, whatever the split.)
     if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));

@@ -553,8 +553,20 @@ template <int U>
 constexpr int kActPitch = U * 32 + 16;
 template <int NB, int U>
 constexpr int kActWarpBytes = 8 * NB * kActPitch<U>;
-template <int NB, int RT, int WK, int U, bool OUTLIERS, bool STAGE>
-constexpr int kStreamSmemBytes = (OUTLIERS ? RT * WK * kOutlierWarpBytes : 0) + (STAGE ? RT * WK * kActWarpBytes<NB, U> : 0);
+// The slot for a warp's next chunk (stream_kernel, copy_next): its weights, [U k-tiles][32
+// lanes][16 bytes], then (progressive) each lane's F words of s1 and of z * s1. Only the dense W4
+// kernel with staged activations and per-fold parameters (folded progressive, NB <= 2, or per
+// channel) has one; measured on the H200 against the same kernel without (benchmarks/library_ab.py,
+// four shapes): 1.03x / 1.01x at M = 8, 1.03x / 1.045x at M = 16 (per group / per channel), per
+// channel 1.05x at M = 32; but the per-word progressive kernel (NB = 4), which copies two
+// parameter words per k-tile, 0.89x, and unstaged (M < 8) 0.98-1.00x.
+template <Kind K, int NB, int U, int F, bool OUTLIERS, bool STAGE>
+constexpr int kNextChunkBytes = !OUTLIERS && STAGE && kLaneBytes<K> == 16 && (K != Kind::kProgressive || NB <= 2)
+                                    ? U * kWarp * 16 + (K == Kind::kProgressive ? kWarp * 2 * F * 4 : 0)
+                                    : 0;
+template <Kind K, int NB, int RT, int WK, int U, int F, bool OUTLIERS, bool STAGE>
+constexpr int kStreamSmemBytes = (OUTLIERS ? RT * WK * kOutlierWarpBytes : 0) + (STAGE ? RT * WK * kActWarpBytes<NB, U> : 0) +
+                                 RT * WK * kNextChunkBytes<K, NB, U, F, OUTLIERS, STAGE>;
 
 // The k-tile of slot u of a chunk starting at kt0: WHOLE chunks (kt0 + U <= kt_end, the steady
 // state) use kt0 + u, so that every address is one base plus an immediate; the tail re-loads
@@ -617,6 +629,12 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   // STAGE: this warp's activation buffer (kActWarpBytes).
   const int act_offset = (OUTLIERS ? RT * WK * kOutlierWarpBytes : 0) + warp * kActWarpBytes<NB, U>;
   const uint8_t* act_tile = stream_dynamic + act_offset;
+  // The dense W4 kernel with staged activations and parameters per fold (or none): this warp's
+  // slot for its next chunk (kNextChunkBytes; see copy_next).
+  constexpr int kNextBytes = kNextChunkBytes<K, NB, U, F, OUTLIERS, STAGE>;
+  constexpr bool kNextInSlot = kNextBytes > 0;
+  const uint32_t next_slot = smem_u32(stream_dynamic) + (OUTLIERS ? RT * WK * kOutlierWarpBytes : 0) +
+                             (STAGE ? RT * WK * kActWarpBytes<NB, U> : 0) + warp * kNextBytes;
 
   trace_stamp(p, kEntry);
   // The next kernel of the stream (if launched by launch_maybe_pdl) may start once every CTA
@@ -664,6 +682,40 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     auto load_chunk = [&](Chunk& c, int kt0, auto weights) {  // warp-uniform branch
       if (kt0 + U <= th.kt_end) load(c, kt0, std::true_type{}, weights);
       else load(c, kt0, std::false_type{}, weights);
+    };
+    // kNextInSlot: the next chunk's weights and parameters go out with cp.async into the warp's
+    // slot while this chunk multiplies, and are moved into the registers after it. Each lane
+    // copies, waits for and reads back only its own bytes, so no warp barrier is needed.
+    // Why not straight into registers: loads in flight into registers while the previous
+    // ones are consumed share the SASS scoreboards with them, and every use then waits for
+    // the newest load too (measured on the H200: loading the next chunk into each register
+    // as soon as it was converted made the kernel 1.1-1.9x slower at M <= 32).
+    auto copy_next = [&](int kt0) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        cp_async_16(next_slot + (u * kWarp + th.lane) * 16, wrow + static_cast<size_t>(min(kt0 + u, th.kt_end - 1)) * 32 * kBytes, true);
+      if constexpr (kProgressive) {
+        const uint32_t words = next_slot + U * kWarp * 16 + th.lane * 2 * F * 4;
+#pragma unroll
+        for (int f = 0; f < F; ++f) {
+          const size_t at = params_row + static_cast<size_t>(min(kt0 + f * GKc, th.kt_end - 1) >> p.group_shift) * 32;
+          cp_async_4(words + 4 * f, p.scale1 + at);
+          cp_async_4(words + 4 * (F + f), p.zxs1 + at);
+        }
+      }
+      cp_async_commit();
+    };
+    auto take_next = [&](Chunk& c) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) c.w[u][0] = lds_v4(next_slot + (u * kWarp + th.lane) * 16);
+      if constexpr (kProgressive) {
+        const uint32_t words = next_slot + U * kWarp * 16 + th.lane * 2 * F * 4;
+#pragma unroll
+        for (int f = 0; f < F; ++f) {
+          c.s1[f] = lds_u32(words + 4 * f);
+          c.zs1[f] = lds_u32(words + 4 * (F + f));
+        }
+      }
     };
 
     // STAGE: the chunk's activations, 8 NB token rows of U k-tiles, copied into this warp's
@@ -745,9 +797,15 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     trace_stamp(p, kWaited);
     ChunkOutliers<NB, CB> outliers;
     for (int kt0 = first; kt0 < kt_end; kt0 += step) {
-      if (!OUTLIERS && kt0 != first) load_chunk(c, kt0, std::true_type{});  // (OUTLIERS: loaded during the previous chunk)
+      const bool has_next = kt0 + step < kt_end;
+      // (OUTLIERS: loaded during the previous chunk; kNextInSlot: taken from the slot after it)
+      if (!OUTLIERS && !kNextInSlot && kt0 != first) load_chunk(c, kt0, std::true_type{});
       if constexpr (STAGE) stage(kt0);
       else load_chunk(c, kt0, std::false_type{});
+      // After the activations' copies, so that waiting for those does not wait for these.
+      if constexpr (kNextInSlot) {
+        if (has_next) copy_next(kt0 + step);
+      }
       // OUTLIERS: the entries go out right after the activations (their lookups came a chunk
       // ago, the weights during the previous chunk), and the next chunk's lookups after them.
       if constexpr (OUTLIERS) {
@@ -755,11 +813,18 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
         lookup = next_lookup<CB>(p, nt, kt0 + step, kt_end, lane);
       }
       if constexpr (STAGE) {
-        // OUTLIERS: the entries (the newest group) may still be in flight: add waits for them.
-        if constexpr (OUTLIERS) cp_async_wait<1>(); else cp_async_wait_all();
+        // OUTLIERS: the entries (the newest group) may still be in flight: add waits for them;
+        // kNextInSlot: the next chunk's copies, if any.
+        if (OUTLIERS || (kNextInSlot && has_next)) cp_async_wait<1>(); else cp_async_wait_all();
         __syncwarp();  // every lane's pieces have landed
       }
       compute(c, kt0);
+      if constexpr (kNextInSlot) {
+        if (has_next) {
+          cp_async_wait_all();
+          take_next(c);
+        }
+      }
       if constexpr (OUTLIERS) {
         // The next chunk's weights go out before the outlier work, into the registers compute
         // has just consumed, so that their DRAM round trip overlaps it.
