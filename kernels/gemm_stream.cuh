@@ -686,10 +686,11 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     // kNextInSlot: the next chunk's weights and parameters go out with cp.async into the warp's
     // slot while this chunk multiplies, and are moved into the registers after it. Each lane
     // copies, waits for and reads back only its own bytes, so no warp barrier is needed.
-    // Why not straight into registers: loads in flight into registers while the previous
-    // ones are consumed share the SASS scoreboards with them, and every use then waits for
-    // the newest load too (measured on the H200: loading the next chunk into each register
-    // as soon as it was converted made the kernel 1.1-1.9x slower at M <= 32).
+    // Why not straight into registers: loading the next chunk into each register as soon as it
+    // was converted made the kernel 1.1-1.9x slower at M <= 32 (H200). Most likely (not checked
+    // in the SASS) because loads in flight into registers share the SASS scoreboards with the
+    // older loads still being consumed, so every use waits for the newest load too; cp.async
+    // has no register destination.
     auto copy_next = [&](int kt0) {
 #pragma unroll
       for (int u = 0; u < U; ++u)
