@@ -121,7 +121,7 @@ cudaError_t launch_stream_shape(const Params& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);
   auto go = [&](auto stage) {
     constexpr bool STAGE = decltype(stage)::value;
-    constexpr int kSmem = kStreamSmemBytes<K, NB, RT, WK, U, (K == Kind::kProgressive ? U / G : 1), OUTLIERS, STAGE>;
+    constexpr int kSmem = StreamSmem<K, NB, RT, WK, U, G, OUTLIERS, STAGE>::kBytes;
     const auto kernel = stream_kernel<K, NB, RT, WK, U, MIN_BLOCKS, OUTLIERS, G, STAGE>;
     // (Static + dynamic shared memory above 48 KB needs the opt-in, whatever the split.)
     if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));

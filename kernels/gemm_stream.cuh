@@ -564,9 +564,21 @@ template <Kind K, int NB, int U, int F, bool OUTLIERS, bool STAGE>
 constexpr int kNextChunkBytes = !OUTLIERS && STAGE && kLaneBytes<K> == 16 && (K != Kind::kProgressive || NB <= 2)
                                     ? U * kWarp * 16 + (K == Kind::kProgressive ? kWarp * 2 * F * 4 : 0)
                                     : 0;
-template <Kind K, int NB, int RT, int WK, int U, int F, bool OUTLIERS, bool STAGE>
-constexpr int kStreamSmemBytes = (OUTLIERS ? RT * WK * kOutlierWarpBytes : 0) + (STAGE ? RT * WK * kActWarpBytes<NB, U> : 0) +
-                                 RT * WK * kNextChunkBytes<K, NB, U, F, OUTLIERS, STAGE>;
+
+// The group-parameter words of a chunk of U k-tiles (progressive: one per fold of GKc k-tiles).
+template <Kind K, int U, int GKc>
+constexpr int kChunkFolds = K == Kind::kProgressive ? U / GKc : 1;
+
+// Where the regions of a stream CTA's dynamic shared memory start, and its size (the one
+// place that lays them out): the warps' outlier regions, their activation buffers, their
+// next-chunk slots.
+template <Kind K, int NB, int RT, int WK, int U, int GKc, bool OUTLIERS, bool STAGE>
+struct StreamSmem {
+  static constexpr int kNextBytes = kNextChunkBytes<K, NB, U, kChunkFolds<K, U, GKc>, OUTLIERS, STAGE>;  // per warp
+  static constexpr int kActAt = OUTLIERS ? RT * WK * kOutlierWarpBytes : 0;
+  static constexpr int kNextAt = kActAt + (STAGE ? RT * WK * kActWarpBytes<NB, U> : 0);
+  static constexpr int kBytes = kNextAt + RT * WK * kNextBytes;
+};
 
 // The k-tile of slot u of a chunk starting at kt0: WHOLE chunks (kt0 + U <= kt_end, the steady
 // state) use kt0 + u, so that every address is one base plus an immediate; the tail re-loads
@@ -611,7 +623,7 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   static_assert(kFold || GKc == 1, "per-word dequantization loads parameters per k-tile");
   constexpr int kBytes = kLaneBytes<K>;
   constexpr int CB = U / 2;                       // OUTLIERS: buckets per chunk
-  constexpr int F = kProgressive ? U / GKc : 1;   // progressive: parameter words (folds) per chunk
+  constexpr int F = kChunkFolds<K, U, GKc>;       // progressive: parameter words (folds) per chunk
   // Splits start on whole folds (progressive) and whole buckets (OUTLIERS), so chunks do too:
   // both units are powers of two, and the larger is a multiple of the smaller.
   constexpr int kFoldTiles = kProgressive ? GKc : 1, kBucketTiles = OUTLIERS ? 2 : 1;
@@ -626,15 +638,13 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   extern __shared__ __align__(128) uint8_t stream_dynamic[];  // OUTLIERS: a compact tile and entries per warp
   const uint32_t scratch = smem_u32(stream_dynamic) + warp * kOutlierWarpBytes, entries = scratch + kCompactTileBytes;
   if constexpr (OUTLIERS) zero_shared(scratch, kCompactTileBytes, lane);
+  using Smem = StreamSmem<K, NB, RT, WK, U, GKc, OUTLIERS, STAGE>;
   // STAGE: this warp's activation buffer (kActWarpBytes).
-  const int act_offset = (OUTLIERS ? RT * WK * kOutlierWarpBytes : 0) + warp * kActWarpBytes<NB, U>;
-  const uint8_t* act_tile = stream_dynamic + act_offset;
+  const uint8_t* act_tile = stream_dynamic + Smem::kActAt + warp * kActWarpBytes<NB, U>;
   // The dense W4 kernel with staged activations and parameters per fold (or none): this warp's
   // slot for its next chunk (kNextChunkBytes; see copy_next).
-  constexpr int kNextBytes = kNextChunkBytes<K, NB, U, F, OUTLIERS, STAGE>;
-  constexpr bool kNextInSlot = kNextBytes > 0;
-  const uint32_t next_slot = smem_u32(stream_dynamic) + (OUTLIERS ? RT * WK * kOutlierWarpBytes : 0) +
-                             (STAGE ? RT * WK * kActWarpBytes<NB, U> : 0) + warp * kNextBytes;
+  constexpr bool kNextInSlot = Smem::kNextBytes > 0;
+  const uint32_t next_slot = smem_u32(stream_dynamic) + Smem::kNextAt + warp * Smem::kNextBytes;
 
   trace_stamp(p, kEntry);
   // The next kernel of the stream (if launched by launch_maybe_pdl) may start once every CTA
@@ -650,6 +660,8 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     for (int nb = 0; nb < NB; ++nb) xrow[nb] = p.x + static_cast<size_t>(min(m0 + 8 * nb + g, p.M - 1)) * p.Kp + 4 * t;
     const uint8_t* wrow = p.qweight + static_cast<size_t>(nt) * p.KT * 32 * kBytes + lane * kBytes;
     const size_t params_row = (static_cast<size_t>(nt) * p.groups) * 32 + 4 * g;  // progressive only
+    // Byte offset of this lane's parameter word (byte i: row 8i + g; layout.pack_group_params) of k-tile kt's group.
+    auto params_at = [&](int kt) { return params_row + static_cast<size_t>(kt >> p.group_shift) * 32; };
     using Chunk = StreamChunk<K, NB, U, F, STAGE>;
 
     // Loads a chunk's weights and parameters (WEIGHTS: data no earlier kernel writes) or its
@@ -672,8 +684,8 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
       }
       if constexpr (kProgressive && kWeights) {
 #pragma unroll
-        for (int f = 0; f < F; ++f) {  // byte i of the words: row 8i + g (layout.pack_group_params)
-          const size_t at = params_row + static_cast<size_t>(chunk_tile<kWhole>(kt0, f * GKc, th.kt_end) >> p.group_shift) * 32;
+        for (int f = 0; f < F; ++f) {
+          const size_t at = params_at(chunk_tile<kWhole>(kt0, f * GKc, th.kt_end));
           c.s1[f] = ldg_u32(p.scale1 + at);
           c.zs1[f] = ldg_u32(p.zxs1 + at);
         }
@@ -691,30 +703,31 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     // in the SASS) because loads in flight into registers share the SASS scoreboards with the
     // older loads still being consumed, so every use waits for the newest load too; cp.async
     // has no register destination.
-    auto copy_next = [&](int kt0) {
+    // This lane's pieces in the slot: k-tile u's 16 bytes at slot_w + 512 u, its F s1 words
+    // and then its F z * s1 words at slot_p.
+    const uint32_t slot_w = next_slot + th.lane * 16, slot_p = next_slot + U * kWarp * 16 + th.lane * 2 * F * 4;
+    auto copy_next = [&](int kt0) {  // (the next chunk may be the split's partial last one)
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        cp_async_16(next_slot + (u * kWarp + th.lane) * 16, wrow + static_cast<size_t>(min(kt0 + u, th.kt_end - 1)) * 32 * kBytes, true);
+        cp_async_16(slot_w + u * kWarp * 16, wrow + static_cast<size_t>(chunk_tile<false>(kt0, u, th.kt_end)) * 32 * kBytes, true);
       if constexpr (kProgressive) {
-        const uint32_t words = next_slot + U * kWarp * 16 + th.lane * 2 * F * 4;
 #pragma unroll
         for (int f = 0; f < F; ++f) {
-          const size_t at = params_row + static_cast<size_t>(min(kt0 + f * GKc, th.kt_end - 1) >> p.group_shift) * 32;
-          cp_async_4(words + 4 * f, p.scale1 + at);
-          cp_async_4(words + 4 * (F + f), p.zxs1 + at);
+          const size_t at = params_at(chunk_tile<false>(kt0, f * GKc, th.kt_end));
+          cp_async_4(slot_p + 4 * f, p.scale1 + at);
+          cp_async_4(slot_p + 4 * (F + f), p.zxs1 + at);
         }
       }
       cp_async_commit();
     };
     auto take_next = [&](Chunk& c) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) c.w[u][0] = lds_v4(next_slot + (u * kWarp + th.lane) * 16);
+      for (int u = 0; u < U; ++u) c.w[u][0] = lds_v4(slot_w + u * kWarp * 16);
       if constexpr (kProgressive) {
-        const uint32_t words = next_slot + U * kWarp * 16 + th.lane * 2 * F * 4;
 #pragma unroll
         for (int f = 0; f < F; ++f) {
-          c.s1[f] = lds_u32(words + 4 * f);
-          c.zs1[f] = lds_u32(words + 4 * (F + f));
+          c.s1[f] = lds_u32(slot_p + 4 * f);
+          c.zs1[f] = lds_u32(slot_p + 4 * (F + f));
         }
       }
     };
