@@ -376,7 +376,7 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None) -> tuple[l
     fit over K (M = 128, N = 4096, one warpgroup, unsplit) of time = fixed + stages x cost.
     `cases` (M, N, K): only these, and no line fit."""
     sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
-    line_fit = cases is None
+    fit_line = cases is None
     cases = cases or [(m, n, k) for n, k in WGMMA_SHAPES for m in WGMMA_MS]
     rows = []
     for m, n, k in cases:
@@ -406,7 +406,7 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None) -> tuple[l
         auto, best = next(r for r in rs if r["auto"]), min(rs, key=lambda r: r["us"])
         lines.append(f"{m:4d} {n:>5}x{k:<5} | {auto['bf16_us']:7.2f} {auto['int_mm_us']:7.2f} | {auto['plan']:>26} "
                      f"{auto['us']:7.2f} | {best['plan']:>26} {best['us']:7.2f} | {auto['bf16_us'] / best['us']:.2f}x")
-    if not line_fit:
+    if not fit_line:
         return rows, lines
     # Fixed cost and cost per 128-wide pipeline stage of one CTA.
     m, n, pts = 128, 4096, []

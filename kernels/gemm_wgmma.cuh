@@ -242,38 +242,54 @@ __global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p
     __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
 
     const uint32_t base = smem + slot(j) * S::kStage;
-    // All of the stage's fragments first: their shared-memory latencies overlap. No k-tile is
-    // skipped in the last, partial stage: TMA filled the k-tiles past K with zeros (weights,
-    // group parameters and activations alike), and they add zero.
-    Fragment<K> f[S::kKT];
-#pragma unroll
-    for (int kk = 0; kk < S::kKT; ++kk) {
-      const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
-#pragma unroll
-      for (int h = 0; h < kBytes / 16; ++h) f[kk].w[h] = lds_v4(wtile + 16 * h);
-      if constexpr (K == Kind::kProgressive) {
-        // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
-        const uint32_t params = base + S::kXBytes + S::kWBytes + (rt * gps + (kk >> p.group_shift)) * 32 + 4 * g;
-        f[kk].s1 = lds_u32(params);
-        f[kk].zs1 = lds_u32(params + param_box);
-      }
-    }
     // Every A operand of the stage is written before its first wgmma, and every wgmma of the
     // stage has retired before the next stage writes any: a wgmma reads its A registers
     // asynchronously until a wait retires it, and ptxas neither knows that nor keeps the
     // registers from other uses, so nothing may be written while one is in flight. (With
     // per-k-tile waits instead, ptxas moved the next k-tiles' writes above the waits and
     // the results went wrong: notes-gemm.md, version 6.)
-    uint32_t a[S::kKT][2][4];
+    // All of the stage's fragments first: their shared-memory latencies overlap. No k-tile is
+    // skipped in the last, partial stage: TMA filled the k-tiles past K with zeros (weights,
+    // group parameters and activations alike), and they add zero. one_group (progressive, groups
+    // of >= 4 k-tiles, so the stage lies in one group): the group's parameter words are read
+    // once and its per-row constants built once for the four k-tiles, not per k-tile (H200,
+    // benchmarks/library_ab.py: per group 1.03x at M = 256, 1.07x at M = 1024).
+    auto multiply_stage = [&](auto one_group) {
+      constexpr bool kOneGroup = decltype(one_group)::value;
+      const uint32_t params = base + S::kXBytes + S::kWBytes + rt * gps * 32 + 4 * g;  // progressive: group 0 of the stage
+      uint32_t s1_word = 0, zs1_word = 0;
+      if constexpr (kOneGroup) {
+        s1_word = lds_u32(params);
+        zs1_word = lds_u32(params + param_box);
+      }
+      Fragment<K> f[S::kKT];
+      uint32_t a[S::kKT][2][4];
 #pragma unroll
-    for (int kk = 0; kk < S::kKT; ++kk) f[kk].to_a(a[kk]);
-    wgmma_fence();  // a[] was written by ordinary instructions
+      for (int kk = 0; kk < S::kKT; ++kk) {
+        const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
 #pragma unroll
-    for (int kk = 0; kk < S::kKT; ++kk) {
-      const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
-      wgmma_m64n128k32_rs(acc[0], a[kk][0], desc);
-      wgmma_m64n128k32_rs(acc[1], a[kk][1], desc);
-    }
+        for (int h = 0; h < kBytes / 16; ++h) f[kk].w[h] = lds_v4(wtile + 16 * h);
+        if constexpr (K == Kind::kProgressive) {
+          // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
+          f[kk].s1 = kOneGroup ? s1_word : lds_u32(params + (kk >> p.group_shift) * 32);
+          f[kk].zs1 = kOneGroup ? zs1_word : lds_u32(params + (kk >> p.group_shift) * 32 + param_box);
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < S::kKT; ++kk) f[kk].to_a(a[kk]);
+      // The wgmmas in each branch's own code: issued after the join, ptxas moved the two
+      // branches' A registers into common ones past the fence and injected a warpgroup.arrive
+      // before 7 of the 8 wgmmas (its C7519 notes; now one).
+      wgmma_fence();  // a[] was written by ordinary instructions
+#pragma unroll
+      for (int kk = 0; kk < S::kKT; ++kk) {
+        const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
+        wgmma_m64n128k32_rs(acc[0], a[kk][0], desc);
+        wgmma_m64n128k32_rs(acc[1], a[kk][1], desc);
+      }
+    };
+    if (K == Kind::kProgressive && gps == 1) multiply_stage(std::true_type{});
+    else multiply_stage(std::false_type{});
     wgmma_commit();
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(empty + 8 * slot(j));  // this stage's slot can be refilled
