@@ -122,7 +122,7 @@ def measure_shape(n: int, k: int, m: int, g) -> dict:
     x_rowsum = x_q.sum(1, dtype=torch.int32)
 
     pg = [w4_operands(n, k, "per_group", g) for _ in range(copies)]
-    row["per_group_us"] = time_calls([lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in pg])
+    row["per_group_us"] = time_calls([lambda w=w: per_group(x_q, x_scale, x_rowsum, *w, n) for w in pg])
     del pg
     pc = [w4_operands(n, k, "per_channel", g) for _ in range(copies)]
     row["per_channel_us"] = time_calls(
@@ -156,6 +156,7 @@ def explore(g) -> list[dict]:
         k = n
         x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
         x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
+        x_rowsum = x_q.sum(1, dtype=torch.int32)
         weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
         auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
         if m <= 16:
@@ -166,7 +167,7 @@ def explore(g) -> list[dict]:
             choices |= {cuda_ops.Plan(cuda_ops.WGMMA, 1, 1), cuda_ops.Plan(cuda_ops.WGMMA, 1, 2),
                         cuda_ops.Plan(cuda_ops.WGMMA, 2, 1), cuda_ops.Plan(cuda_ops.WGMMA, 2, 2)}
         for p in sorted(choices, key=lambda p: (p.kernel, p.tile, p.splits)):
-            us = time_with_plan(p, [lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
+            us = time_with_plan(p, [lambda w=w: per_group(x_q, x_scale, x_rowsum, *w, n) for w in weights])
             name = f"{'wgmma' if p.kernel else 'stream'} tile={p.tile} splits={p.splits}"
             out.append({"M": m, "N": n, "K": k, "plan": name, "auto": p == auto, "us": us})
             print(f"  explore M={m:5d} {n}x{k} {name:28s} {us:9.1f} us{'  <- plan' if p == auto else ''}", flush=True)
@@ -177,20 +178,26 @@ SMALL_SHAPES = [(8192, 8192), (4096, 4096), (14336, 4096), (4096, 14336)]  # (N,
 SMALL_MS = [1, 8, 16, 32]
 
 
+def per_group(x_q, x_scale, x_rowsum, *weights_and_n):
+    """The per-group op with the activations' row sums (its option; what a packed model passes):
+    called as the per-channel op is, (x_q, x_scale, x_rowsum, weight operands..., N)."""
+    return torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *weights_and_n, x_rowsum=x_rowsum)
+
+
 def w4_ops() -> dict:
-    """The W4A8 GEMM ops by kind (the per-channel one also takes the activations' row sums)."""
-    return {"per_group": torch.ops.qoqtool.w4a8_gemm_per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}
+    """The W4A8 GEMM ops by kind, both called with (x_q, x_scale, x_rowsum, weight operands..., N)."""
+    return {"per_group": per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}
 
 
 def small_m_cases(g, ms=SMALL_MS):
-    """For the four small shapes x `ms`: (N, K, M, the activation operands of each W4 kind,
+    """For the four small shapes x `ms`: (N, K, M, the activation operands (x_q, x_scale, x_rowsum),
     cuBLAS bf16 us in this run, the plan's choice)."""
     sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
     for n, k in SMALL_SHAPES:
         for m in ms:
             x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
             x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
-            acts = {"per_group": (x_q, x_scale), "per_channel": (x_q, x_scale, x_q.sum(1, dtype=torch.int32))}
+            acts = (x_q, x_scale, x_q.sum(1, dtype=torch.int32))  # both kinds' activation operands (w4_ops)
             yield n, k, m, acts, bf16_us(m, n, k, g), cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
 
 
@@ -204,7 +211,7 @@ def explore_stream(g, group: int = GROUP) -> list[dict]:
         for kind in op:
             weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
             for p in dict.fromkeys(plans):
-                us = time_with_plan(p, [lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
+                us = time_with_plan(p, [lambda w=w: op[kind](*acts, *w, n) for w in weights])
                 rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": p.tile, "splits": p.splits,
                              "plan": p.name(), "auto": p == auto, "us": us, "bf16_us": bf16})
                 print(f"  {kind:11s} M={m:2d} {n}x{k} {p.name():26s} {us:7.2f} us  bf16 {bf16:7.2f}  "
@@ -229,7 +236,7 @@ def mode_ab(g, modes: dict, ms=SMALL_MS, group: int = GROUP) -> tuple[list[dict]
     for n, k, m, acts, bf16, auto in small_m_cases(g, ms):
         for kind in op:
             weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
-            calls = [lambda w=w: op[kind](*acts[kind], *w, n) for w in weights]
+            calls = [lambda w=w: op[kind](*acts, *w, n) for w in weights]
             best, plan_us = {}, None
             if auto.kernel != cuda_ops.STREAM:
                 modes[names[0]]()
@@ -269,7 +276,7 @@ def explore_wide(g, ms=(1, 8, 16)) -> tuple[list[dict], list[str]]:
     for n, k, m, acts, bf16, auto in small_m_cases(g, ms):
         for kind in op:
             weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
-            calls = [lambda w=w: op[kind](*acts[kind], *w, n) for w in weights]
+            calls = [lambda w=w: op[kind](*acts, *w, n) for w in weights]
             plan_us = time_calls(calls)
             best = None
             for kernel in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8):
@@ -382,6 +389,7 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None) -> tuple[l
     for m, n, k in cases:
         x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
         x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
+        x_rowsum = x_q.sum(1, dtype=torch.int32)
         weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
         bf16 = bf16_us(m, n, k, g)
         w8 = [torch.randint(-127, 128, (k, n), dtype=torch.int8, device="cuda", generator=g).t().contiguous().t()
@@ -392,7 +400,7 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None) -> tuple[l
         plans = [auto] + [cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 2, 3, 4, 8)]
         plans += [cuda_ops.Plan(cuda_ops.WGMMA_K2, 1, s) for s in (1, 2, 3, 4, 8)]
         for p in dict.fromkeys(plans):
-            us = time_with_plan(p, [lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n) for w in weights])
+            us = time_with_plan(p, [lambda w=w: per_group(x_q, x_scale, x_rowsum, *w, n) for w in weights])
             rows.append({"M": m, "N": n, "K": k, "plan": p.name(), "tile": p.tile, "splits": p.splits,
                          "auto": p == auto, "us": us, "bf16_us": bf16, "int_mm_us": int_mm})
             print(f"  M={m:4d} {n:>5}x{k:<5} {p.name():26s} {us:8.2f} us  bf16 {bf16:7.2f} ({bf16 / us:4.2f}x)  "
@@ -415,8 +423,9 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None) -> tuple[l
     for k in (512, 1024, 2048, 4096, 8192):
         weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
         xk = x_q[:, :k].contiguous()
+        rk = xk.sum(1, dtype=torch.int32)
         pts.append((k // 128, time_with_plan(cuda_ops.Plan(cuda_ops.WGMMA, 1, 1),
-                                             [lambda w=w: torch.ops.qoqtool.w4a8_gemm_per_group(xk, x_scale, *w, n)
+                                             [lambda w=w: per_group(xk, x_scale, rk, *w, n)
                                               for w in weights])))
         del weights
     fixed, slope = line_fit(pts)

@@ -43,13 +43,13 @@ def timeline(n: int, k: int, m: int, kind: str, g, calls: int = 16, outliers: fl
     op = w4_ops()[kind]
     x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
     x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
-    acts = (x_q, x_scale) if kind == "per_group" else (x_q, x_scale, x_q.sum(1, dtype=torch.int32))
+    acts = (x_q, x_scale, x_q.sum(1, dtype=torch.int32))
     copies = max(calls, copies_for(n * k // 2, m))
     weights = [w4_operands(n, k, kind, g) for _ in range(copies)]
     if outliers:  # the fused kernel, each weight copy with its own section
         from sparse_dense import fused_op, make_outliers
         fused = fused_op(kind, n)
-        rowsum = acts[2] if kind == "per_channel" else None
+        rowsum = acts[2] if kind == "per_channel" else None  # (the fused per-group op takes none)
         runs = [lambda w=w, s=make_outliers(n, k, outliers, "uniform", g)[0]: fused(x_q, x_scale, rowsum, w, s)
                 for w in weights]
     else:

@@ -64,7 +64,7 @@ def gemm_cases(g, ms, paths, rows) -> None:
     for n, k, m, acts, bf16, plan in small_m_cases(g, ms):
         for kind in op:
             weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
-            times = ab([lambda w=w: op[kind](*acts[kind], *w, n) for w in weights], paths)
+            times = ab([lambda w=w: op[kind](*acts, *w, n) for w in weights], paths)
             report("gemm", f"{kind} M={m:<2d} {n}x{k} {plan.name()}", times, bf16, rows,
                    kind=kind, M=m, N=n, K=k, plan=plan.name())
             del weights

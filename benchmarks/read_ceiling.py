@@ -120,10 +120,10 @@ def main() -> None:
             bf16[m] = bf16_us(m, n, k, g)
             x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
             x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
-            acts = {"per_group": (x_q, x_scale), "per_channel": (x_q, x_scale, x_q.sum(1, dtype=torch.int32))}
+            acts = (x_q, x_scale, x_q.sum(1, dtype=torch.int32))  # both kinds' activation operands (w4_ops)
             for kind in op:
                 weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(nbytes, m))]
-                ours[(kind, m)] = time_calls([lambda w=w: op[kind](*acts[kind], *w, n) for w in weights])
+                ours[(kind, m)] = time_calls([lambda w=w: op[kind](*acts, *w, n) for w in weights])
                 del weights
                 torch.cuda.empty_cache()
         rows.append({"N": n, "K": k, "bytes": nbytes, "reads": reads, "bf16_us": bf16,

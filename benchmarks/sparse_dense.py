@@ -163,7 +163,8 @@ def dense_op(kind, n):
     if kind == "w4a16":
         return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a16_gemm(x_q, *w, n)
     if kind == "per_group":
-        return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n)
+        return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n,
+                                                                                     x_rowsum=x_rowsum)
     return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *w, n)
 
 

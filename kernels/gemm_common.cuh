@@ -18,7 +18,7 @@ enum class Kind : int {
 struct Params {
   const int8_t* x;          // [M, Kp] activation codes, row-major, zero past K
   const __half* x_scale;    // [M] per-token scales
-  const int32_t* x_rowsum;  // [M] sum of each row's codes (kUInt4Channel)
+  const int32_t* x_rowsum;  // [M] sum of each row's codes (kUInt4Channel; kProgressive: optional, the wgmma kernel's UINT8 weights)
   const uint8_t* qweight;   // packed codes, [NT, KT, 32, 16] (W4) or [NT, KT, 32, 32] (W8)
   const __half* scale;      // [NT*32] level-0 scale (kProgressive) or per-channel scale
   const uint8_t* scale1;    // [NT, groups, 32] (kProgressive), layout.pack_group_params order
@@ -93,12 +93,17 @@ constexpr int kLaneBytes = K == Kind::kInt8Channel ? 32 : 16;  // one lane's sha
 // [-128, 127] and z*s1 <= 128), so the multiply-add cannot carry either. Flipping each
 // byte's top bit then subtracts the 128: the bytes are the exact INT8 weights (q - z)*s1.
 // Two instructions for four weights (IMAD + LOP3), after the mask that extracts q4.
+// BIASED: the flip is left out and the bytes are the UINT8 weights (q - z)*s1 + 128, for an
+// unsigned A operand whose sums exceed the true ones by 128 * sum_k x (the wgmma kernel
+// subtracts that in its epilogue, from the token's row sum): one instruction for four weights.
+template <bool BIASED = false>
 __device__ __forceinline__ uint32_t progressive_quad(uint32_t q4, uint32_t s1, uint32_t c) {
-  return (q4 * s1 + c) ^ 0x80808080u;
+  return BIASED ? q4 * s1 + c : (q4 * s1 + c) ^ 0x80808080u;
 }
 
 // Word i of a W4 fragment holds row 8i + g: its low nibbles are k = 4t + j (registers a0 of
 // block i/2 for even i, a1 for odd i), its high nibbles k = 16 + 4t + j (a2 / a3).
+template <bool BIASED = false>
 __device__ __forceinline__ void w4_progressive_to_a(const uint4& w, uint32_t s1_word, uint32_t zs1_word,
                                                     uint32_t (&a)[2][4]) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
@@ -107,8 +112,8 @@ __device__ __forceinline__ void w4_progressive_to_a(const uint4& w, uint32_t s1_
     // Byte i of the parameter words belongs to row 8i + g (layout.pack_group_params).
     const uint32_t s1 = __byte_perm(s1_word, 0, 0x4440 | i);           // byte i, zero-extended
     const uint32_t c = 0x80808080u - __byte_perm(zs1_word, 0, 0x1111 * i);  // 128 - z*s1, x4
-    a[i >> 1][i & 1] = progressive_quad(words[i] & 0x0F0F0F0Fu, s1, c);
-    a[i >> 1][2 + (i & 1)] = progressive_quad((words[i] >> 4) & 0x0F0F0F0Fu, s1, c);
+    a[i >> 1][i & 1] = progressive_quad<BIASED>(words[i] & 0x0F0F0F0Fu, s1, c);
+    a[i >> 1][2 + (i & 1)] = progressive_quad<BIASED>((words[i] >> 4) & 0x0F0F0F0Fu, s1, c);
   }
 }
 
@@ -135,8 +140,9 @@ struct Fragment {
   uint4 w[kLaneBytes<K> / 16];
   uint32_t s1, zs1;
 
+  template <bool BIASED = false>  // progressive: UINT8 weights + 128 (progressive_quad)
   __device__ __forceinline__ void to_a(uint32_t (&a)[2][4]) const {
-    if constexpr (K == Kind::kProgressive) w4_progressive_to_a(w[0], s1, zs1, a);
+    if constexpr (K == Kind::kProgressive) w4_progressive_to_a<BIASED>(w[0], s1, zs1, a);
     if constexpr (K == Kind::kUInt4Channel) w4_codes_to_a(w[0], a);
     if constexpr (K == Kind::kInt8Channel) w8_to_a(w[0], w[kLaneBytes<K> / 16 - 1], a);
   }

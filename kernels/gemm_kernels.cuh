@@ -201,9 +201,16 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
     QOQ_RETURN_IF_ERROR(encode_map<3>(&maps.zs1, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.zxs1, {8, G, NT}, {32, 32 * G}, box,
                                       CU_TENSOR_MAP_SWIZZLE_NONE));
   }
-  QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(wgmma_kernel<K, WGS, KS>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem));
   const dim3 grid(ceil_div(p.NT, S::kRT), ceil_div(p.M, S::kBN), p.splits);
-  return launch_maybe_pdl(wgmma_kernel<K, WGS, KS>, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), p, maps);
+  auto go = [&](auto biased) {  // progressive with the tokens' row sums: the UINT8 form (wgmma_kernel's BIASED)
+    const auto kernel = wgmma_kernel<K, WGS, KS, decltype(biased)::value>;
+    QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem));
+    return launch_maybe_pdl(kernel, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), p, maps);
+  };
+  if constexpr (K == Kind::kProgressive) {
+    if (p.x_rowsum != nullptr) return go(std::true_type{});
+  }
+  return go(std::false_type{});
 }
 
 // One of the stream kernel's CTA shapes by kernel id (kStream: 8 warps, NB = tile in 1, 2, 4, 8;

@@ -76,7 +76,7 @@ struct WgmmaStaging {
   static constexpr int kBytes = 128 * kPitch * 4;
 };
 
-template <Kind K, int WGS, int KS = 1>
+template <Kind K, int WGS, int KS = 1, bool BIASED = false>
 __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2][64], int* tile, int m0, int nt0) {
   using T = WgmmaStaging<WGS, KS>;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
@@ -116,13 +116,15 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
 
   // Whole chunks (N % 4 == 0, so n0 < N means all four rows are in) go out as one vector store.
   const bool whole = p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+  // The zero term acc - zero * rowsum(x): per channel the rows' zero points; BIASED, 128 (the
+  // kernel multiplied UINT8 weights + 128: progressive_quad).
   float sw[4];
   int zero[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const bool in = n0 + r < p.N;
     sw[r] = in ? __half2float(p.scale[n0 + r]) : 0.f;
-    zero[r] = K == Kind::kUInt4Channel && in ? static_cast<int>(p.zero[n0 + r]) : 0;
+    zero[r] = K == Kind::kUInt4Channel && in ? static_cast<int>(p.zero[n0 + r]) : (BIASED ? 128 : 0);
   }
   // Blocks of 16 tokens: the other splits' partials (16 loads in flight per split) and the
   // tokens' scales are all read before the block's stores.
@@ -151,7 +153,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
     for (int j = 0; j < kBlock; ++j) {
       const int m = token(j0 + j);
       sx[j] = m < p.M ? __half2float(p.x_scale[m]) : 0.f;
-      rowsum[j] = K == Kind::kUInt4Channel && m < p.M ? p.x_rowsum[m] : 0;
+      rowsum[j] = (K == Kind::kUInt4Channel || BIASED) && m < p.M ? p.x_rowsum[m] : 0;
     }
 #pragma unroll
     for (int j = 0; j < kBlock; ++j) {
@@ -159,7 +161,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
       if (m >= p.M) continue;
       int a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] -= zero[r] * rowsum[j];  // per-channel zero point (0 otherwise)
+      for (int r = 0; r < 4; ++r) a[r] -= zero[r] * rowsum[j];  // (0 for the other kinds)
       const size_t at = static_cast<size_t>(m) * p.N + n0;
       if (p.out_i32) {
         store_row4(static_cast<int32_t*>(p.out) + at, a, n0, p.N, whole);
@@ -173,9 +175,16 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   }
 }
 
-template <Kind K, int WGS, int KS = 1>
+// BIASED (progressive, launched when the tokens' row sums are given): the weights go to the
+// tensor cores as UINT8 (q - z) s1 + 128, one instruction fewer per four weights
+// (progressive_quad), and the epilogue subtracts 128 * rowsum(x) (H200, benchmarks/library_ab.py:
+// per group 1.04x at M = 256, 1.05x at M = 1024). A kernel of its own rather than a branch in the
+// stage loop: with four stage variants in one kernel, ptxas serialized the wgmmas for want of
+// registers (its C7511 note).
+template <Kind K, int WGS, int KS = 1, bool BIASED = false>
 __global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if QOQ_HAS_WGMMA
+  static_assert(!BIASED || K == Kind::kProgressive, "only progressive weights are biased");
   using S = WgmmaShape<K, WGS, KS>;
   constexpr int kBytes = kLaneBytes<K>;
   extern __shared__ uint8_t smem_raw[];
@@ -276,7 +285,7 @@ __global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p
         }
       }
 #pragma unroll
-      for (int kk = 0; kk < S::kKT; ++kk) f[kk].to_a(a[kk]);
+      for (int kk = 0; kk < S::kKT; ++kk) f[kk].template to_a<BIASED>(a[kk]);
       // The wgmmas in each branch's own code: issued after the join, ptxas moved the two
       // branches' A registers into common ones past the fence and injected a warpgroup.arrive
       // before 7 of the 8 wgmmas (its C7519 notes; now one).
@@ -284,8 +293,8 @@ __global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p
 #pragma unroll
       for (int kk = 0; kk < S::kKT; ++kk) {
         const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
-        wgmma_m64n128k32_rs(acc[0], a[kk][0], desc);
-        wgmma_m64n128k32_rs(acc[1], a[kk][1], desc);
+        wgmma_m64n128k32_rs<BIASED>(acc[0], a[kk][0], desc);
+        wgmma_m64n128k32_rs<BIASED>(acc[1], a[kk][1], desc);
       }
     };
     if (K == Kind::kProgressive && gps == 1) multiply_stage(std::true_type{});
@@ -296,7 +305,7 @@ __global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p
   }
   __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
   static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS, KS>::kBytes, "the staging tile must fit in the pipeline's slots");
-  wgmma_epilogue<K, WGS, KS>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
+  wgmma_epilogue<K, WGS, KS, BIASED>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
 #endif  // QOQ_HAS_WGMMA
 }
 }  // namespace qoq::gemm

@@ -4,6 +4,11 @@
 //                              of four codes becomes four exact INT8 weights (q - z)*s1
 //                              with one multiply-add and one xor (gemm_common.cuh,
 //                              progressive_quad); epilogue out = acc * sx[m] * s0[n].
+//   qoq_w4a8_gemm_per_group_rowsum
+//                              the same with the row sums of x (the quantize kernels'
+//                              x_rowsum): the wgmma kernel leaves out the xor, multiplies
+//                              UINT8 weights (q - z)*s1 + 128 and subtracts 128 * rowsum(x[m])
+//                              in its epilogue; the stream kernels ignore the sums.
 //   qoq_w4a8_gemm_per_channel  raw codes multiply the activations; the zero point moves to
 //                              the epilogue: out = (acc - z[n] * rowsum(x[m])) * s[n] * sx[m].
 //
@@ -54,6 +59,19 @@ extern "C" int qoq_w4a8_gemm_per_group(int kernel, int tile, int splits, const i
                                        cudaStream_t stream) {
   Params p = progressive_params(x, x_scale, qweight, scale0, scale1, zero_x_scale1, M, N, Kp, group_shift, splits,
                                 workspace, counters);
+  p.out = out;
+  p.out_i32 = out_i32;
+  return qoq::gemm::launch<Kind::kProgressive>(p, kernel, tile, stream);
+}
+
+extern "C" int qoq_w4a8_gemm_per_group_rowsum(int kernel, int tile, int splits, const int8_t* x, const __half* x_scale,
+                                              const int32_t* x_rowsum, const uint8_t* qweight, const __half* scale0,
+                                              const uint8_t* scale1, const uint8_t* zero_x_scale1, void* out, int out_i32,
+                                              int M, int N, int Kp, int group_shift, int32_t* workspace,
+                                              int32_t* counters, cudaStream_t stream) {
+  Params p = progressive_params(x, x_scale, qweight, scale0, scale1, zero_x_scale1, M, N, Kp, group_shift, splits,
+                                workspace, counters);
+  p.x_rowsum = x_rowsum;
   p.out = out;
   p.out_i32 = out_i32;
   return qoq::gemm::launch<Kind::kProgressive>(p, kernel, tile, stream);

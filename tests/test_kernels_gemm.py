@@ -105,18 +105,21 @@ def check_gemm(kind: str, m: int, n: int, k: int, group: int = 128) -> None:
     args = operands(kind, packed, x_q, x_scale, x_rowsum)
 
     acc_ref = int8_matmul(x_q, w8)
-    acc = torch.full((m, n), -(2**31) + 7, dtype=torch.int32, device="cuda")  # poison
-    cuda_ops.run_gemm(kind, *args, out_features=n, out=acc, out_i32=True)
-    mismatch = (acc != acc_ref).sum().item()
-    assert mismatch == 0, f"{kind} M={m} N={n} K={k}: {mismatch} INT32 accumulations differ"
-
-    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")  # poison
-    cuda_ops.run_gemm(kind, *args, out_features=n, out=out)
-    assert not out.isnan().any(), "an output was not written (or is NaN)"
     ref = acc_ref.double() * x_scale.double()[:, None] * w.row_scale().double()[None, :] if kind != "per_channel" \
         else acc_ref.double() * w.scale[:, 0].double()[None, :] * x_scale.double()[:, None]
-    rel = ((out.double() - ref).norm() / ref.norm()).item()
-    assert rel <= REL_TOL, f"{kind} M={m} N={n} K={k}: relative error {rel:.2e}"
+    # per_group: also with the optional row sums (the wgmma kernel's UINT8 weights + 128 path)
+    for extra in [{}] + ([{"x_rowsum": x_rowsum}] if kind == "per_group" else []):
+        what = f"{kind}{' with x_rowsum' if extra else ''} M={m} N={n} K={k}"
+        acc = torch.full((m, n), -(2**31) + 7, dtype=torch.int32, device="cuda")  # poison
+        cuda_ops.run_gemm(kind, *args, out_features=n, out=acc, out_i32=True, **extra)
+        mismatch = (acc != acc_ref).sum().item()
+        assert mismatch == 0, f"{what}: {mismatch} INT32 accumulations differ"
+
+        out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")  # poison
+        cuda_ops.run_gemm(kind, *args, out_features=n, out=out, **extra)
+        assert not out.isnan().any(), f"{what}: an output was not written (or is NaN)"
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel <= REL_TOL, f"{what}: relative error {rel:.2e}"
 
 
 # -- GPU: exactness on the benchmark shapes and on odd ones --------------------------------------
@@ -453,8 +456,14 @@ def test_bad_input_is_refused_before_launch():
     for what, (args, message) in bad.items():
         with pytest.raises(ValueError, match=message):
             op(*args)
+    rowsum = x_q.sum(1, dtype=torch.int32)
+    for bad_rowsum, message in [(rowsum.float(), "x_rowsum must be int32"), (rowsum[:2], "x_rowsum must have shape"),
+                                (rowsum.cpu(), "device")]:
+        with pytest.raises(ValueError, match=message):
+            op(x_q, x_scale, *packed, 1000, x_rowsum=bad_rowsum)
     torch.cuda.synchronize()  # nothing was launched, so nothing can have faulted
     op(x_q, x_scale, *packed, 1000)
+    op(x_q, x_scale, *packed, 1000, x_rowsum=rowsum)
 
 
 # -- CPU: the plan and the validation -----------------------------------------------------------------

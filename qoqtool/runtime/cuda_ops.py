@@ -1,7 +1,8 @@
 """The CUDA GEMM and fused quantization kernels as torch custom ops, and the packed-linear
 forward pass that uses them.
 
-    qoqtool::w4a8_gemm_per_group    INT8 x [M, Kp] * progressive (QoQ) W4 -> fp16 [M, N]
+    qoqtool::w4a8_gemm_per_group    INT8 x [M, Kp] * progressive (QoQ) W4 -> fp16 [M, N] (+ optionally
+                                    the row sums of x, which make the wgmma kernel cheaper)
     qoqtool::w4a8_gemm_per_channel  INT8 x * per-channel UINT4 W4 (+ the row sums of x)
     qoqtool::w8a8_gemm              INT8 x * per-channel INT8 W8
     qoqtool::w4a8_sparse_dense_gemm_per_group / _per_channel
@@ -43,6 +44,9 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     # kernel, tile, splits, x, x_scale, qweight, scale0, scale1, zxs1, out, out_i32, M, N, Kp, group_shift, ws, counters, stream
     "qoq_w4a8_gemm_per_group": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P],
+    # kernel, tile, splits, x, x_scale, x_rowsum, qweight, scale0, scale1, zxs1, out, out_i32, M, N, Kp, group_shift,
+    # ws, counters, stream
+    "qoq_w4a8_gemm_per_group_rowsum": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P],
     # kernel, tile, splits, x, x_scale, x_rowsum, qweight, scale, zero, out, out_i32, M, N, Kp, ws, counters, stream
     "qoq_w4a8_gemm_per_channel": [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
     # kernel, tile, splits, x, x_scale, qweight, scale, out, out_i32, M, N, Kp, ws, counters, stream
@@ -77,12 +81,19 @@ _SIGNATURES = {
 }
 
 
+# Entry points that libraries built before they existed lack (benchmarks/library_ab.py times
+# such builds through this module): the ops fall back to what those libraries have.
+_NEWER_ENTRIES = {"qoq_w4a8_gemm_per_group_rowsum"}  # 2026-12-02: its absence means the x_rowsum-free call
+
+
 @functools.lru_cache(maxsize=None)
 def _load(path: str | None) -> ctypes.CDLL:
     """The kernel library built from this checkout (path None) or the one at `path`, with the
     entry points' signatures declared."""
     lib = kl.library() if path is None else ctypes.CDLL(path)
     for name, argtypes in _SIGNATURES.items():
+        if name in _NEWER_ENTRIES and not hasattr(lib, name):
+            continue
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
@@ -444,22 +455,32 @@ def _ptr(t: Tensor | None) -> ctypes.c_void_p:
 
 
 def run_gemm(kind: str, *operands: Tensor, out_features: int, out: Tensor | None = None,
-             out_i32: bool = False) -> Tensor:
+             out_i32: bool = False, x_rowsum: Tensor | None = None) -> Tensor:
     """Validate, plan, launch one GEMM kernel; the custom ops below call this.
 
     kind: "per_group" | "per_channel" | "w8a8", operands in the order of that op. `out`
     (optional, [M, out_features] contiguous fp16, or int32 with out_i32) receives the result:
     tests poison it first. out_i32 writes the raw INT32 accumulations instead of scaled fp16
-    (after the zero-point term for per-channel W4), for bit-exact comparisons.
+    (after the zero-point term for per-channel W4), for bit-exact comparisons. x_rowsum
+    (per_group only, optional; [M] int32, the sums of x_q's rows as the quantize ops return
+    them): the wgmma kernel then multiplies the weights as UINT8 + 128 and subtracts 128 *
+    x_rowsum, one instruction fewer per four weights; the results are the same.
     """
     entry, check, names = _GEMMS[kind]
     tail = check(*operands, out_features)
     tail = () if tail is None else (tail,)  # the per-group check returns the group shift
     x_q, n_tiles = operands[0], operands[names.index("qweight")].shape[0]
+    if x_rowsum is not None:
+        if kind != "per_group":
+            raise ValueError(f"x_rowsum is an operand of its own for {kind!r}, not an option")
+        _expect("x_rowsum", x_rowsum, torch.int32, (x_q.shape[0],))
+        _expect_device(x_q=x_q, x_rowsum=x_rowsum)
     m, kp = x_q.shape
     out = _output(x_q, out, out_features, torch.int32 if out_i32 else torch.float16)
     if m == 0:
         return out
+    if x_rowsum is not None and hasattr(_lib(), "qoq_w4a8_gemm_per_group_rowsum"):  # (else an older build: without)
+        entry, operands = "qoq_w4a8_gemm_per_group_rowsum", (*operands[:2], x_rowsum, *operands[2:])
     sms, hopper = _device_info(x_q.device.index)
     p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper)
     check_plan(p, kp // 32)
@@ -607,13 +628,15 @@ def _gemm_fake(x_q: Tensor, out_features: int) -> Tensor:
 
 @torch.library.custom_op("qoqtool::w4a8_gemm_per_group", mutates_args=())
 def w4a8_gemm_per_group(x_q: Tensor, x_scale: Tensor, qweight: Tensor, scale0: Tensor, scale1: Tensor,
-                        zero_x_scale1: Tensor, out_features: int) -> Tensor:
-    """out[m, n] = fp16(sum_k x_q[m, k] * (q - z)*s1 [n, k] * x_scale[m] * scale0[n])."""
-    return run_gemm("per_group", x_q, x_scale, qweight, scale0, scale1, zero_x_scale1, out_features=out_features)
+                        zero_x_scale1: Tensor, out_features: int, x_rowsum: Tensor | None = None) -> Tensor:
+    """out[m, n] = fp16(sum_k x_q[m, k] * (q - z)*s1 [n, k] * x_scale[m] * scale0[n]); x_rowsum
+    (optional, the quantize ops' third output) makes the wgmma kernel (M > 32) cheaper."""
+    return run_gemm("per_group", x_q, x_scale, qweight, scale0, scale1, zero_x_scale1, out_features=out_features,
+                    x_rowsum=x_rowsum)
 
 
 @w4a8_gemm_per_group.register_fake
-def _(x_q, x_scale, qweight, scale0, scale1, zero_x_scale1, out_features):
+def _(x_q, x_scale, qweight, scale0, scale1, zero_x_scale1, out_features, x_rowsum=None):
     return _gemm_fake(x_q, out_features)
 
 
@@ -849,9 +872,11 @@ def packed_linear_forward(module, x: Tensor) -> Tensor:
     x_q, x_scale, x_rowsum = _quantized_input(x, module.k_padded)
     n = module.out_features
     ops = torch.ops.qoqtool
+    rowsum = {}  # the dense per-group GEMM takes the row sums as an option (a cheaper wgmma main loop)
     if kind == "progressive":
         dense, fused = ops.w4a8_gemm_per_group, ops.w4a8_sparse_dense_gemm_per_group
         operands = (x_q, x_scale, module.qweight, module.scale0, module.scale1, module.zero_x_scale1)
+        rowsum = {"x_rowsum": x_rowsum}
     elif kind == "uint4":
         dense, fused = ops.w4a8_gemm_per_channel, ops.w4a8_sparse_dense_gemm_per_channel
         operands = (x_q, x_scale, x_rowsum, module.qweight, module.scale, module.zero)
@@ -867,5 +892,5 @@ def packed_linear_forward(module, x: Tensor) -> Tensor:
             y = torch.cat([fused(*(t[i:i + FUSED_MAX_M] for t in operands[:per_token]), *operands[per_token:], *tc, n)
                            for i in range(0, m, FUSED_MAX_M)])
     else:
-        y = dense(*operands, n)
+        y = dense(*operands, n, **rowsum)
     return _with_bias(module, y, x)
