@@ -30,6 +30,9 @@
 //     so that split-K partials and outputs move as coalesced vectors (wgmma_epilogue).
 //     Its K2 form (kWgmmaK2) gives one 128-row tile two warpgroups, each with its own ring,
 //     taking alternate stages; their sums meet in shared memory before the epilogue.
+//     Progressive weights: the group's constants are built once per stage when the group spans
+//     it, and with the tokens' row sums the weights go in as UINT8 + 128 (BIASED; the epilogue
+//     subtracts 128 * rowsum(x)).
 //
 // Split-K across CTAs (both kernels): each split writes its INT32 partial sums to a
 // workspace; the last CTA of a tile to arrive (an atomic counter per tile) adds the others

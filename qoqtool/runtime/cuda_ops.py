@@ -472,7 +472,8 @@ def run_gemm(kind: str, *operands: Tensor, out_features: int, out: Tensor | None
     x_q, n_tiles = operands[0], operands[names.index("qweight")].shape[0]
     if x_rowsum is not None:
         if kind != "per_group":
-            raise ValueError(f"x_rowsum is an operand of its own for {kind!r}, not an option")
+            raise ValueError(f"the x_rowsum option is the per_group GEMM's, not {kind!r}'s "
+                             "(per_channel takes the row sums as an operand, w8a8 takes none)")
         _expect("x_rowsum", x_rowsum, torch.int32, (x_q.shape[0],))
         _expect_device(x_q=x_q, x_rowsum=x_rowsum)
     m, kp = x_q.shape
