@@ -37,11 +37,13 @@ LOADS, BULK = 0, 1
 
 
 def build() -> ctypes.CDLL:
-    from torch.utils.cpp_extension import CUDA_HOME
+    from qoqtool.kernels.build import nvcc_path  # (the kernel library's own search for nvcc)
 
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read_ceiling.cu")
     out = os.path.join(tempfile.mkdtemp(prefix="read_ceiling_"), "libread_ceiling.so")
-    nvcc = os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc")
+    nvcc = nvcc_path()
+    if nvcc is None:
+        sys.exit("benchmarks/read_ceiling.py needs nvcc to build its kernel")
     subprocess.run([nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
                     "-gencode=arch=compute_90a,code=sm_90a", src, "-o", out], check=True)
     lib = ctypes.CDLL(out)

@@ -52,18 +52,6 @@ static Params per_channel_params(const int8_t* x, const __half* x_scale, const i
   return p;
 }
 
-extern "C" int qoq_w4a8_gemm_per_group(int kernel, int tile, int splits, const int8_t* x, const __half* x_scale,
-                                       const uint8_t* qweight, const __half* scale0, const uint8_t* scale1,
-                                       const uint8_t* zero_x_scale1, void* out, int out_i32, int M, int N, int Kp,
-                                       int group_shift, int32_t* workspace, int32_t* counters,
-                                       cudaStream_t stream) {
-  Params p = progressive_params(x, x_scale, qweight, scale0, scale1, zero_x_scale1, M, N, Kp, group_shift, splits,
-                                workspace, counters);
-  p.out = out;
-  p.out_i32 = out_i32;
-  return qoq::gemm::launch<Kind::kProgressive>(p, kernel, tile, stream);
-}
-
 extern "C" int qoq_w4a8_gemm_per_group_rowsum(int kernel, int tile, int splits, const int8_t* x, const __half* x_scale,
                                               const int32_t* x_rowsum, const uint8_t* qweight, const __half* scale0,
                                               const uint8_t* scale1, const uint8_t* zero_x_scale1, void* out, int out_i32,
@@ -71,10 +59,19 @@ extern "C" int qoq_w4a8_gemm_per_group_rowsum(int kernel, int tile, int splits, 
                                               int32_t* counters, cudaStream_t stream) {
   Params p = progressive_params(x, x_scale, qweight, scale0, scale1, zero_x_scale1, M, N, Kp, group_shift, splits,
                                 workspace, counters);
-  p.x_rowsum = x_rowsum;
+  p.x_rowsum = x_rowsum;  // may be null: the signed-weight form
   p.out = out;
   p.out_i32 = out_i32;
   return qoq::gemm::launch<Kind::kProgressive>(p, kernel, tile, stream);
+}
+
+extern "C" int qoq_w4a8_gemm_per_group(int kernel, int tile, int splits, const int8_t* x, const __half* x_scale,
+                                       const uint8_t* qweight, const __half* scale0, const uint8_t* scale1,
+                                       const uint8_t* zero_x_scale1, void* out, int out_i32, int M, int N, int Kp,
+                                       int group_shift, int32_t* workspace, int32_t* counters,
+                                       cudaStream_t stream) {
+  return qoq_w4a8_gemm_per_group_rowsum(kernel, tile, splits, x, x_scale, nullptr, qweight, scale0, scale1, zero_x_scale1,
+                                        out, out_i32, M, N, Kp, group_shift, workspace, counters, stream);
 }
 
 extern "C" int qoq_w4a8_gemm_per_channel(int kernel, int tile, int splits, const int8_t* x, const __half* x_scale,
