@@ -377,11 +377,12 @@ WGMMA_SHAPES = [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 11008)]  # (N,
 WGMMA_MS = [64, 128, 256, 512]
 
 
-def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None) -> tuple[list[dict], list[str]]:
+def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None, kind: str = "per_group") -> tuple[list[dict], list[str]]:
     """The wgmma kernel for mid-sized M: every warpgroup count x split count (what cuda_ops.plan
-    picks between), per-group g128, cuBLAS bf16 and torch._int_mm in the same run; then a line
-    fit over K (M = 128, N = 4096, one warpgroup, unsplit) of time = fixed + stages x cost.
-    `cases` (M, N, K): only these, and no line fit."""
+    picks between), per-group g128 (or `kind`), cuBLAS bf16 and torch._int_mm in the same run;
+    then a line fit over K (M = 128, N = 4096, one warpgroup, unsplit) of time = fixed + stages x
+    cost. `cases` (M, N, K): only these, and no line fit."""
+    op = w4_ops()[kind]
     sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
     fit_line = cases is None
     cases = cases or [(m, n, k) for n, k in WGMMA_SHAPES for m in WGMMA_MS]
@@ -390,7 +391,7 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None) -> tuple[l
         x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
         x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
         x_rowsum = x_q.sum(1, dtype=torch.int32)
-        weights = [w4_operands(n, k, "per_group", g) for _ in range(copies_for(n * k // 2, m))]
+        weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
         bf16 = bf16_us(m, n, k, g)
         w8 = [torch.randint(-127, 128, (k, n), dtype=torch.int8, device="cuda", generator=g).t().contiguous().t()
               for _ in range(copies_for(n * k, m))]
@@ -400,14 +401,14 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None) -> tuple[l
         plans = [auto] + [cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 2, 3, 4, 8)]
         plans += [cuda_ops.Plan(cuda_ops.WGMMA_K2, 1, s) for s in (1, 2, 3, 4, 8)]
         for p in dict.fromkeys(plans):
-            us = time_with_plan(p, [lambda w=w: per_group(x_q, x_scale, x_rowsum, *w, n) for w in weights])
-            rows.append({"M": m, "N": n, "K": k, "plan": p.name(), "tile": p.tile, "splits": p.splits,
+            us = time_with_plan(p, [lambda w=w: op(x_q, x_scale, x_rowsum, *w, n) for w in weights])
+            rows.append({"M": m, "N": n, "K": k, "kind": kind, "plan": p.name(), "tile": p.tile, "splits": p.splits,
                          "auto": p == auto, "us": us, "bf16_us": bf16, "int_mm_us": int_mm})
             print(f"  M={m:4d} {n:>5}x{k:<5} {p.name():26s} {us:8.2f} us  bf16 {bf16:7.2f} ({bf16 / us:4.2f}x)  "
                   f"int_mm {int_mm:7.2f} ({int_mm / us:4.2f}x){'  <- plan' if p == auto else ''}", flush=True)
         del weights
         torch.cuda.empty_cache()
-    lines = ["wgmma kernel, per-group g128: plan's choice and the best of 1-2 warpgroups (or the K2 form) x 1-8 splits",
+    lines = [f"wgmma kernel, {kind} (g{GROUP}): plan's choice and the best of 1-2 warpgroups (or the K2 form) x 1-8 splits",
              f"{'M':>4} {'N x K':>11} | {'bf16':>7} {'int_mm':>7} | {'plan':>26} {'us':>7} | {'best':>26} {'us':>7} | best/bf16"]
     for m, n, k in cases:
         rs = [r for r in rows if (r["M"], r["N"], r["K"]) == (m, n, k)]
@@ -510,6 +511,8 @@ def main() -> None:
     ap.add_argument("--explore-wgmma", nargs="?", const="", default=None, metavar="M:N:K,...",
                     help="only the wgmma kernel's choices for M in {64..512} on four shapes (or for these cases) "
                          "against bf16 and int_mm, and its fixed cost (not with cases)")
+    ap.add_argument("--wgmma-kind", choices=("per_group", "per_channel"), default="per_group",
+                    help="the weights --explore-wgmma times (default per_group)")
     ap.add_argument("--stage-ab", nargs="?", const="1,8,16,32", default=None, metavar="M,M,...",
                     help="only the stream kernel with activations from global memory against staged in shared memory, "
                          "every split count, for these M (default 1,8,16,32) on four shapes")
@@ -531,7 +534,7 @@ def main() -> None:
 
     if args.explore_wgmma is not None:
         cases = [tuple(int(v) for v in c.split(":")) for c in args.explore_wgmma.split(",") if c]
-        rows, table = explore_wgmma(g, cases or None)
+        rows, table = explore_wgmma(g, cases or None, args.wgmma_kind)
         return finish(table, explore_wgmma=rows)
     if args.stage_ab:  # activations from global memory, then staged (the default)
         modes = {"global": lambda: cuda_ops.set_stage_activations(False),

@@ -134,6 +134,31 @@ __device__ __forceinline__ void w8_to_a(const uint4& lo, const uint4& hi, uint32
   a[1][0] = hi.x; a[1][1] = hi.z; a[1][2] = hi.y; a[1][3] = hi.w;
 }
 
+// One m16 block's A registers from its half of a lane's fragment (the wgmma kernel's block
+// split, where each warpgroup multiplies one block of the row tiles): W4, words 2b and 2b + 1
+// of the 16 bytes (rows 8(2b) + g and 8(2b + 1) + g); progressive, with the parameter words
+// shifted right by 16b so that their bytes 0 and 1 are those rows'. W8: the block's 16 bytes.
+template <bool BIASED = false>
+__device__ __forceinline__ void w4_progressive_block_to_a(const uint2& w, uint32_t s1_word, uint32_t zs1_word, uint32_t (&a)[4]) {
+  const uint32_t words[2] = {w.x, w.y};
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t s1 = __byte_perm(s1_word, 0, 0x4440 | j);
+    const uint32_t c = 0x80808080u - __byte_perm(zs1_word, 0, 0x1111 * j);
+    a[j] = progressive_quad<BIASED>(words[j] & 0x0F0F0F0Fu, s1, c);
+    a[2 + j] = progressive_quad<BIASED>((words[j] >> 4) & 0x0F0F0F0Fu, s1, c);
+  }
+}
+__device__ __forceinline__ void w4_codes_block_to_a(const uint2& w, uint32_t (&a)[4]) {
+  a[0] = w.x & 0x0F0F0F0Fu;
+  a[1] = w.y & 0x0F0F0F0Fu;
+  a[2] = (w.x >> 4) & 0x0F0F0F0Fu;
+  a[3] = (w.y >> 4) & 0x0F0F0F0Fu;
+}
+__device__ __forceinline__ void w8_block_to_a(const uint4& w, uint32_t (&a)[4]) {
+  a[0] = w.x; a[1] = w.z; a[2] = w.y; a[3] = w.w;
+}
+
 // One lane's raw fragment of one tile, plus its group parameters (progressive).
 template <Kind K>
 struct Fragment {

@@ -28,8 +28,9 @@
 //     wgmma instructions (block 0 of all four warps, then block 1), so every lane still reads
 //     its 16 bytes with one 128-bit load. The INT32 tile then goes through shared memory
 //     so that split-K partials and outputs move as coalesced vectors (wgmma_epilogue).
-//     Its K2 form (kWgmmaK2) gives one 128-row tile two warpgroups, each with its own ring,
-//     taking alternate stages; their sums meet in shared memory before the epilogue.
+//     Its K2 form (kWgmmaK2) gives one 128-row tile four warpgroups: two halves, each with its
+//     own ring, taking alternate stages, and in each half one warpgroup per m16 block; their
+//     sums meet in shared memory before the epilogue.
 //     Progressive weights: the group's constants are built once per stage when the group spans
 //     it, and with the tokens' row sums the weights go in as UINT8 + 128 (BIASED; the epilogue
 //     subtracts 128 * rowsum(x)).
@@ -242,8 +243,9 @@ cudaError_t launch_stream_kernel(const Params& p, int kernel, int tile, cudaStre
 }
 
 // kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),
-// wgmma with WGS = tile (1, 2), wgmma with two warpgroups splitting the stages of one
-// 128-row tile (kWgmmaK2, tile 1), the 16-warp stream shapes with NB = tile (1, 2).
+// wgmma with WGS = tile (1, 2), wgmma with two halves of warpgroups splitting the stages of
+// one 128-row tile (kWgmmaK2, tile 1: four warpgroups, two per half, one m16 block each), the
+// 16-warp stream shapes with NB = tile (1, 2).
 template <Kind K>
 cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;

@@ -23,15 +23,22 @@ namespace qoq::gemm {
 // arrives on the stage's `empty` mbarrier once its wgmmas of that stage have retired, which
 // lets thread 0 reuse the slot. Warpgroups never wait for each other otherwise.
 //
-// KS = 2 (kernel id kWgmmaK2, WGS = 1): two warpgroups share one 128-row tile and split its
-// stages, warpgroup q taking stages q, q + 2, q + 4, ... Each has its own half of the slots
-// (a ring of kStages / 2, refilled by its own first thread), so the two run as independent
-// pipelines - twice the work in flight per SM for the same rows - and their sums meet once,
-// in shared memory, before the epilogue. Why: with one warpgroup a stage costs ~0.72 us
-// against 0.26 us of tensor-core work (a latency chain: wait for the slot, fragments,
-// dequantization, 8 wgmmas, their retirement), and at M ~ 256 there are too few 128 x 128
-// tiles to give every SM two CTAs; splitting K across CTAs instead costs a workspace round
-// trip and a fixed cost per CTA.
+// KS = 2 (kernel id kWgmmaK2, WGS = 1): four warpgroups share one 128-row tile. The tile's
+// stages are split in two halves, warpgroups of half q taking stages q, q + 2, q + 4, ...;
+// each half has its own half of the slots (a ring of kStages / 2, refilled by its own first
+// thread), so the halves run as independent pipelines. And each half's rows are split by m16
+// block (BS = 2, kBS): warpgroup (q, b) multiplies only block b (rows 32w + 16b .. + 15 of
+// its warps' row tiles) - one m64 wgmma per k-tile, half of each lane's fragment, 64
+// accumulator registers - and both block warpgroups of a half read its slots (`empty` counts
+// their 8 warps). The four partial tiles meet once, in shared memory, before the epilogue.
+// Why: with one warpgroup a stage costs ~0.72 us against 0.26 us of tensor-core work (a
+// latency chain: wait for the slot, fragments, dequantization, 8 wgmmas, their retirement),
+// and at M ~ 256 there are too few 128 x 128 tiles to give every SM two CTAs (splitting K
+// across CTAs costs a workspace round trip and a fixed cost per CTA). Two pipelines of two
+// blocks each (version 14, 128 accumulators a thread) were 1.7x one warpgroup's throughput;
+// the block split puts four pipelines of half the work on the SM for the same registers and
+// is 1.05x faster again (H200, benchmarks/gemm.py --explore-wgmma: 1.00-1.09x in all 130
+// case x split pairs; notes-gemm.md, version 17).
 
 struct TmaMaps {
   CUtensorMap x, w, s1, zs1;  // s1/zs1 only for progressive weights
@@ -39,7 +46,9 @@ struct TmaMaps {
 
 template <Kind K, int WGS, int KS = 1>
 struct WgmmaShape {
-  static_assert(KS == 1 || (KS == 2 && WGS == 1), "a K split of two warpgroups over one 128-row tile");
+  static_assert(KS == 1 || (KS == 2 && WGS == 1), "a K split of one 128-row tile");
+  static constexpr int kBS = KS;            // the K2 form splits each half's rows by m16 block too
+  static constexpr int kBlocks = 2 / kBS;   // m64 blocks (wgmma accumulators) per warpgroup
   static constexpr int kBN = 128;      // tokens per CTA
   static constexpr int kRT = 4 * WGS;  // row tiles per CTA
   static constexpr int kKT = 4;        // k-tiles per stage
@@ -52,8 +61,8 @@ struct WgmmaShape {
   static constexpr int kStages = (kFit < kMaxStages ? kFit : kMaxStages) / KS * KS;
   static constexpr int kRing = kStages / KS;             // the slots of one warpgroup's pipeline
   static constexpr int kSmem = kStages * kStage + 1024;  // + 1024: the base is rounded up to 1024
-  static constexpr int kThreads = WGS * KS * 128;
-  static constexpr int kConsumerWarps = 4 * WGS;         // the warps that read one stage (its `empty` count)
+  static constexpr int kThreads = WGS * KS * kBS * 128;
+  static constexpr int kConsumerWarps = 4 * WGS * kBS;   // the warps that read one stage (its `empty` count)
   static_assert(kRing >= 3, "each pipeline needs three stages");
 };
 
@@ -68,31 +77,34 @@ struct WgmmaShape {
 // at once, and the scales are read before anything is stored.
 template <int WGS, int KS = 1>
 struct WgmmaStaging {
+  static constexpr int kBS = KS;                         // as WgmmaShape
   static constexpr int kRows = 128 * WGS;                // rows of the CTA's tile
   static constexpr int kPitch = kRows + 4;               // words per token: +4 puts a warp's 32 staging stores on 32 banks
   static constexpr int kChunks = kRows / 4;              // 16-byte chunks per token
-  static constexpr int kTokenStep = 128 * WGS * KS / kChunks;  // = 4 (KS = 2: 8) tokens per pass of the CTA's threads
-  static constexpr int kPasses = 128 / kTokenStep;       // = 32 (16) chunks per thread
+  static constexpr int kTokenStep = 128 * WGS * KS * kBS / kChunks;  // = 4 (KS = 2: 16) tokens per pass of the CTA's threads
+  static constexpr int kPasses = 128 / kTokenStep;       // = 32 (8) chunks per thread
   static constexpr int kBytes = 128 * kPitch * 4;
 };
 
 template <Kind K, int WGS, int KS = 1, bool BIASED = false>
-__device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2][64], int* tile, int m0, int nt0) {
+__device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2 / KS][64], int* tile, int m0, int nt0) {
   using T = WgmmaStaging<WGS, KS>;
+  constexpr int BS = T::kBS, kBlocks = 2 / BS;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
-  const int wg = warp / (4 * WGS), rw = warp % (4 * WGS);  // KS = 2: which K half, and the warp's row tile
-  auto at = [&](int b, int i) { return (8 * (i >> 2) + 2 * t + (i & 1)) * T::kPitch + 32 * rw + 16 * b + g + 8 * ((i >> 1) & 1); };
-  if (wg == KS - 1) {  // KS = 2: the second half's sums first, then the first half adds its own
+  // KS = 2: which K half and which m16 block (KS = 1: both blocks); the warp's row tile.
+  const int wg = warp / (4 * WGS), kq = wg / BS, blk0 = wg % BS, rw = warp % (4 * WGS);
+  auto at = [&](int b, int i) { return (8 * (i >> 2) + 2 * t + (i & 1)) * T::kPitch + 32 * rw + 16 * (blk0 + b) + g + 8 * ((i >> 1) & 1); };
+  if (kq == KS - 1) {  // KS = 2: the second half's sums first, then the first half adds its own
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
       for (int i = 0; i < 64; ++i) tile[at(b, i)] = acc[b][i];
   }
   __syncthreads();
   if constexpr (KS == 2) {
-    if (wg == 0) {
+    if (kq == 0) {
 #pragma unroll
-      for (int b = 0; b < 2; ++b)
+      for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
         for (int i = 0; i < 64; ++i) tile[at(b, i)] += acc[b][i];  // exact: INT32
     }
@@ -128,7 +140,8 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   }
   // Blocks of 16 tokens: the other splits' partials (16 loads in flight per split) and the
   // tokens' scales are all read before the block's stores.
-  constexpr int kBlock = 16;
+  constexpr int kBlock = BS == 2 ? 8 : 16;  // K2: 128 registers a thread
+  static_assert(T::kPasses % kBlock == 0, "whole blocks of tokens");
 #pragma unroll 1
   for (int j0 = 0; j0 < T::kPasses; j0 += kBlock) {
     int4 v[kBlock];
@@ -182,10 +195,11 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
 // stage loop: with four stage variants in one kernel, ptxas serialized the wgmmas for want of
 // registers (its C7511 note).
 template <Kind K, int WGS, int KS = 1, bool BIASED = false>
-__global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
+__global__ void __launch_bounds__(WgmmaShape<K, WGS, KS>::kThreads, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if QOQ_HAS_WGMMA
   static_assert(!BIASED || K == Kind::kProgressive, "only progressive weights are biased");
   using S = WgmmaShape<K, WGS, KS>;
+  constexpr int BS = S::kBS;
   constexpr int kBytes = kLaneBytes<K>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * S::kStages];  // full[0, S), empty[S, 2S)
@@ -199,10 +213,11 @@ __global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p
   const int stages = ceil_div(p.KT, S::kKT);
   const int st_begin = split_begin(stages, blockIdx.z, p.splits), n_stages = split_begin(stages, blockIdx.z + 1, p.splits) - st_begin;
   const int kt_begin = st_begin * S::kKT;
-  // This warp's pipeline (KS = 2: warpgroup q takes the split's stages q, q + KS, ...; its
-  // slots are q * kRing .. + kRing - 1), the thread that issues its copies, and its stages.
-  const int kq = KS == 1 ? 0 : warp / 4;
-  const int lead = kq * 128, mine = KS == 1 ? n_stages : (n_stages - kq + KS - 1) / KS;
+  // This warp's pipeline (KS = 2: half q takes the split's stages q, q + KS, ...; its slots
+  // are q * kRing .. + kRing - 1), the thread that issues its copies, and its stages; KS = 2:
+  // the m16 block its warpgroup multiplies. Warp = (kq BS + blk) 4 WGS + its row tile rt.
+  const int kq = KS == 1 ? 0 : warp / (4 * WGS * BS), blk = BS == 1 ? 0 : (warp / (4 * WGS)) % BS;
+  const int lead = kq * 128 * BS, mine = KS == 1 ? n_stages : (n_stages - kq + KS - 1) / KS;
   auto slot = [&](int j) { return kq * S::kRing + j % S::kRing; };
   const int gps = p.groups_per_stage;
   const uint32_t param_box = S::kRT * gps * 32;  // bytes of one parameter box
@@ -232,9 +247,9 @@ __global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p
     }
   };
 
-  int acc[2][64];  // [m16 block of the row tile][wgmma fragment]
+  int acc[S::kBlocks][64];  // [m16 block of the row tile (K2: this warpgroup's)][wgmma fragment]
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < S::kBlocks; ++b)
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[b][i] = 0;
 
@@ -297,8 +312,43 @@ __global__ void __launch_bounds__(WGS * KS * 128, 1) wgmma_kernel(const Params p
         wgmma_m64n128k32_rs<BIASED>(acc[1], a[kk][1], desc);
       }
     };
-    if (K == Kind::kProgressive && gps == 1) multiply_stage(std::true_type{});
-    else multiply_stage(std::false_type{});
+    // K2 (BS = 2): this warpgroup's block of each k-tile only - its half of every lane's 16 bytes
+    // (W4: words 2 blk, 2 blk + 1; W8: the block's 16 of 32 bytes), and of the parameter
+    // bytes (shifted down by 16 blk: bytes 0, 1 are the block's rows).
+    auto multiply_block = [&](auto one_group) {
+      constexpr bool kOneGroup = decltype(one_group)::value;
+      const uint32_t params = base + S::kXBytes + S::kWBytes + rt * gps * 32 + 4 * g;
+      const int shift = 16 * blk;
+      uint32_t s1_word = 0, zs1_word = 0;
+      if constexpr (kOneGroup) {
+        s1_word = lds_u32(params) >> shift;
+        zs1_word = lds_u32(params + param_box) >> shift;
+      }
+      uint32_t a[S::kKT][4];
+#pragma unroll
+      for (int kk = 0; kk < S::kKT; ++kk) {
+        const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
+        if constexpr (K == Kind::kInt8Channel) {
+          w8_block_to_a(lds_v4(wtile + 16 * blk), a[kk]);
+        } else if constexpr (K == Kind::kUInt4Channel) {
+          w4_codes_block_to_a(lds_v2(wtile + 8 * blk), a[kk]);
+        } else {
+          const uint32_t s1 = kOneGroup ? s1_word : lds_u32(params + (kk >> p.group_shift) * 32) >> shift;
+          const uint32_t zs1 = kOneGroup ? zs1_word : lds_u32(params + (kk >> p.group_shift) * 32 + param_box) >> shift;
+          w4_progressive_block_to_a<BIASED>(lds_v2(wtile + 8 * blk), s1, zs1, a[kk]);
+        }
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < S::kKT; ++kk) wgmma_m64n128k32_rs<BIASED>(acc[0], a[kk], wgmma_desc_k128b(base + kk * 32));
+    };
+    if constexpr (BS == 2) {
+      if (K == Kind::kProgressive && gps == 1) multiply_block(std::true_type{});
+      else multiply_block(std::false_type{});
+    } else {
+      if (K == Kind::kProgressive && gps == 1) multiply_stage(std::true_type{});
+      else multiply_stage(std::false_type{});
+    }
     wgmma_commit();
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(empty + 8 * slot(j));  // this stage's slot can be refilled

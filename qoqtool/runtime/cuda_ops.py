@@ -125,7 +125,9 @@ def _call(name: str, *args) -> None:
 # -- tile configuration by M ------------------------------------------------------------------
 STREAM, WGMMA, STREAM_1X16, STREAM_2X8, WGMMA_K2 = 0, 1, 2, 3, 4  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
 KERNEL_NAMES = {STREAM: "stream", WGMMA: "wgmma", STREAM_1X16: "stream1x16", STREAM_2X8: "stream2x8", WGMMA_K2: "wgmma_k2"}
-WGMMA_KERNELS = (WGMMA, WGMMA_K2)  # the Hopper-only kernels (sm_90a); WGMMA_K2: one 128-row tile, two warpgroups taking alternate stages
+# The Hopper-only kernels (sm_90a). WGMMA_K2: one 128-row tile, two halves of warpgroups taking
+# alternate stages (and in each half one warpgroup per m16 block).
+WGMMA_KERNELS = (WGMMA, WGMMA_K2)
 # The stream kernel's CTA shapes: (row tiles, k-slice warps) by kernel id (launch_stream_shape).
 _STREAM_SHAPES = {STREAM: (2, 4), STREAM_1X16: (1, 16), STREAM_2X8: (2, 8)}
 
@@ -139,17 +141,19 @@ _WGMMA_TOKENS, _WGMMA_ROW_TILES_PER_WG = 128, 4
 _WGMMA_MIN_M = 33  # measured on the H200 (benchmarks/notes-gemm.md): wgmma wins from M = 64, stream at M = 32
 # The wgmma kernel's time, fitted by least squares (relative error) to every choice that
 # benchmarks/gemm.py --explore-wgmma timed on the H200 (1 or 2 row warpgroups or the K2 form,
-# x 1-4 or 8 splits; 27 cases, M = 64..2048 on five shapes; notes-gemm.md, version 14): per
-# wave of CTAs a fixed cost plus a cost per 128-wide pipeline stage that one warpgroup walks
-# (two row warpgroups do twice the rows in ~1.26x the time of one; in the K2 form each of the
-# two walks half of the stages at ~1.36x a lone warpgroup's cost per stage), and per extra K
-# split a fixed cost plus the INT32 partials' round trip through the workspace, which grows
-# with the output (M x N x 4 bytes per split). Microseconds. It picks the measured best in all
-# 27 cases; a constant cost per split (the model before the K2 form) picked 23% slower
-# choices where the partials are large (M = 256, N = 11008: three splits of two warpgroups).
-_WGMMA_WAVE_US = 2.98
-_WGMMA_STAGE_US = {(WGMMA, 1): 0.829, (WGMMA, 2): 1.043, (WGMMA_K2, 1): 1.125}
-_WGMMA_SPLIT_US, _WGMMA_SPLIT_US_PER_MB = 0.99, 0.497
+# x 1-4 or 8 splits; 27 cases, M = 64..2048 on five shapes; benchmarks/fit_wgmma_plan.py on
+# benchmarks/results/gemm-v17-h200/fit-rows.json, notes-gemm.md, version 17): per wave of CTAs
+# a fixed cost plus a cost per 128-wide pipeline stage that one warpgroup walks (two row
+# warpgroups do twice the rows in ~1.2x the time of one; in the K2 form each half walks half
+# of the stages at ~1.26x a lone warpgroup's cost per stage), and per extra K split a fixed
+# cost plus the INT32 partials' round trip through the workspace, which grows with the output
+# (M x N x 4 bytes per split). Microseconds. It picks the measured best in 24 of the 27 cases
+# (the other three 1.049x, 1.089x and 1.001x the best); a constant cost per split (the model
+# before version 14) picked 23% slower choices where the partials are large (M = 256,
+# N = 11008: three splits of two warpgroups).
+_WGMMA_WAVE_US = 2.915
+_WGMMA_STAGE_US = {(WGMMA, 1): 0.786, (WGMMA, 2): 0.941, (WGMMA_K2, 1): 0.991}
+_WGMMA_SPLIT_US, _WGMMA_SPLIT_US_PER_MB = 1.085, 0.505
 MAX_SPLITS = 8
 
 
@@ -203,11 +207,12 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
     1.05-1.11x on 4096 x 14336, 1.02-1.10x on 8192 x 8192; where they would need two waves
     (14336 x 4096) they were 0.76-0.84x, and the plan keeps the 8-warp CTAs there.
     M > 32 on Hopper: the wgmma kernel, 128 tokens per CTA, one CTA per multiprocessor, with
-    1 or 2 warpgroups of 128 rows each, or the K2 form (128 rows, two warpgroups taking
-    alternate stages), and 1..8 K splits (whole pipeline stages): the least time in a model
-    fitted to the measurements (_WGMMA_*: waves x (fixed + stages a warpgroup walks x cost per
-    stage) + cost per extra split, growing with the output). On its sweep (up to 15 choices x 27
-    cases, M = 64..2048 on five shapes) it picks the fastest in all 27, the K2 form in 15.
+    1 or 2 warpgroups of 128 rows each, or the K2 form (128 rows, two halves of warpgroups
+    taking alternate stages, one warpgroup per m16 block in each), and 1..8 K splits (whole
+    pipeline stages): the least time in a model fitted to the measurements (_WGMMA_*: waves x
+    (fixed + stages a warpgroup walks x cost per stage) + cost per extra split, growing with the
+    output). On its sweep (15 choices x 27 cases, M = 64..2048 on five shapes) it picks the
+    fastest in 24 of 27 (the others within 1.09x), the K2 form in 16.
     """
     if m < _WGMMA_MIN_M or not hopper:
         nb = stream_tile(m)
