@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import torch
 
@@ -31,14 +30,9 @@ def features(row, forms) -> list[float]:
     """The model's terms for one timed choice: [waves, waves x walked (one column per form), split terms]."""
     kernel, tile = form_of(row)
     plan = cuda_ops.Plan(kernel, tile, row["splits"])
-    m, n_tiles, stages = row["M"], row["N"] // 32, math.ceil(row["K"] // 32 / 4)
-    waves = math.ceil(plan.grid_tiles(m, n_tiles) * plan.splits / SMS)
-    walked = math.ceil(stages / plan.splits)
-    if kernel == cuda_ops.WGMMA_K2:
-        walked = math.ceil(walked / 2)
+    waves, walked, extra, partials_mb = cuda_ops.wgmma_cost_terms(plan, row["M"], row["N"] // 32, row["K"] // 32, SMS)
     per_form = [waves * walked if (kernel, tile) == f else 0.0 for f in forms]
-    extra = plan.splits - 1
-    return [waves, *per_form, extra, extra * m * n_tiles * 32 * 4 / 1e6]
+    return [waves, *per_form, extra, extra * partials_mb]
 
 
 def main() -> None:

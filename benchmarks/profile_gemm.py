@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from gemm import w4_operands
+from gemm import per_group, w4_operands
 
 from qoqtool.runtime import cuda_ops
 
@@ -35,7 +35,7 @@ def main() -> None:
           (torch.rand(a.n, device="cuda", generator=g) * 1e-3).half())
     chosen = cuda_ops.Plan(*map(int, a.plan.split(","))) if a.plan else cuda_ops.plan(a.m, a.n // 32, a.k // 32, 132, True)
     cuda_ops.PLAN_OVERRIDE = chosen
-    for label, call in [("per_group", lambda: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, a.n, x_rowsum=x_rowsum)),
+    for label, call in [("per_group", lambda: per_group(x_q, x_scale, x_rowsum, *w, a.n)),
                         ("per_channel", lambda: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *wc, a.n)),
                         ("w8a8", lambda: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w8, a.n))]:
         for _ in range(2):

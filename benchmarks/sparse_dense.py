@@ -37,7 +37,7 @@ import sys
 import warnings
 
 import torch
-from gemm import GROUP, copies_for, w4_operands
+from gemm import GROUP, copies_for, per_group, w4_operands
 
 from qoqtool.packing import tile_coo
 from qoqtool.runtime import cuda_ops  # also registers the torch.ops.qoqtool ops
@@ -163,8 +163,7 @@ def dense_op(kind, n):
     if kind == "w4a16":
         return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a16_gemm(x_q, *w, n)
     if kind == "per_group":
-        return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a8_gemm_per_group(x_q, x_scale, *w, n,
-                                                                                     x_rowsum=x_rowsum)
+        return lambda x_q, x_scale, x_rowsum, w: per_group(x_q, x_scale, x_rowsum, *w, n)
     return lambda x_q, x_scale, x_rowsum, w: torch.ops.qoqtool.w4a8_gemm_per_channel(x_q, x_scale, x_rowsum, *w, n)
 
 

@@ -225,20 +225,28 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
         full_chunks = max(1, k_tiles // (_STREAM_WARPS_K * _STREAM_CHUNK[nb]))
         splits = round(target / p.grid_tiles(m, n_tiles))
         return Plan(STREAM, nb, max(1, min(splits, full_chunks, MAX_SPLITS)))
-    stages = math.ceil(k_tiles / 4)
     best, best_cost = None, math.inf
     for kernel, wgs in _WGMMA_STAGE_US:
-        tiles = Plan(kernel, wgs, 1).grid_tiles(m, n_tiles)
-        for splits in range(1, min(MAX_SPLITS, stages) + 1):
-            waves = math.ceil(tiles * splits / sms)
-            walked = math.ceil(stages / splits)  # the stages of one split ...
-            if kernel == WGMMA_K2:
-                walked = math.ceil(walked / 2)  # ... of which each of the K2 form's warpgroups takes every other one
+        for splits in range(1, min(MAX_SPLITS, math.ceil(k_tiles / 4)) + 1):
+            p = Plan(kernel, wgs, splits)
+            waves, walked, extra, partials_mb = wgmma_cost_terms(p, m, n_tiles, k_tiles, sms)
             cost = waves * (_WGMMA_WAVE_US + walked * _WGMMA_STAGE_US[kernel, wgs])
-            cost += (splits - 1) * (_WGMMA_SPLIT_US + _WGMMA_SPLIT_US_PER_MB * m * n_tiles * 32 * 4 / 1e6)
+            cost += extra * (_WGMMA_SPLIT_US + _WGMMA_SPLIT_US_PER_MB * partials_mb)
             if cost < best_cost:
-                best, best_cost = Plan(kernel, wgs, splits), cost
+                best, best_cost = p, cost
     return best
+
+
+def wgmma_cost_terms(p: Plan, m: int, n_tiles: int, k_tiles: int, sms: int) -> tuple[int, int, int, float]:
+    """The terms of plan's wgmma cost model for `p`: waves of CTAs, the 4-k-tile pipeline stages one
+    warpgroup walks, extra K splits, and MB of INT32 partials per extra split (also what
+    benchmarks/fit_wgmma_plan.py fits the constants to)."""
+    stages = math.ceil(k_tiles / 4)
+    waves = math.ceil(p.grid_tiles(m, n_tiles) * p.splits / sms)
+    walked = math.ceil(stages / p.splits)  # the stages of one split ...
+    if p.kernel == WGMMA_K2:
+        walked = math.ceil(walked / 2)  # ... of which each of the K2 form's halves takes every other one
+    return waves, walked, p.splits - 1, m * n_tiles * 32 * 4 / 1e6
 
 
 PLAN_OVERRIDE: Plan | None = None  # benchmarks/gemm.py times a chosen kernel with this
