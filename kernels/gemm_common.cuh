@@ -101,75 +101,90 @@ __device__ __forceinline__ uint32_t progressive_quad(uint32_t q4, uint32_t s1, u
   return BIASED ? q4 * s1 + c : (q4 * s1 + c) ^ 0x80808080u;
 }
 
-// Word i of a W4 fragment holds row 8i + g: its low nibbles are k = 4t + j (registers a0 of
-// block i/2 for even i, a1 for odd i), its high nibbles k = 16 + 4t + j (a2 / a3).
+// A lane's 16 bytes of a W4 tile are its A fragments of the tile's two m16 blocks: word i holds
+// row 8i + g, so block b is words 2b (rows g) and 2b + 1 (rows g + 8). A word's low nibbles are
+// k = 4t + j (register a0 of its block for the even word, a1 for the odd one), its high
+// nibbles k = 16 + 4t + j (a2 / a3). One block at a time below (the wgmma kernel's K2 form
+// multiplies one block per warpgroup); the whole fragment is both blocks.
+//
+// Progressive: byte i of the parameter words belongs to row 8i + g (layout.pack_group_params),
+// i = 2b + j for word j of block b.
 template <bool BIASED = false>
-__device__ __forceinline__ void w4_progressive_to_a(const uint4& w, uint32_t s1_word, uint32_t zs1_word,
-                                                    uint32_t (&a)[2][4]) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    // Byte i of the parameter words belongs to row 8i + g (layout.pack_group_params).
-    const uint32_t s1 = __byte_perm(s1_word, 0, 0x4440 | i);           // byte i, zero-extended
-    const uint32_t c = 0x80808080u - __byte_perm(zs1_word, 0, 0x1111 * i);  // 128 - z*s1, x4
-    a[i >> 1][i & 1] = progressive_quad<BIASED>(words[i] & 0x0F0F0F0Fu, s1, c);
-    a[i >> 1][2 + (i & 1)] = progressive_quad<BIASED>((words[i] >> 4) & 0x0F0F0F0Fu, s1, c);
-  }
-}
-
-// Per-channel W4: the raw codes 0..15 are already valid s8 operands; the zero point is
-// applied once per output in the epilogue (acc - z * rowsum(x)).
-__device__ __forceinline__ void w4_codes_to_a(const uint4& w, uint32_t (&a)[2][4]) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    a[i >> 1][i & 1] = words[i] & 0x0F0F0F0Fu;
-    a[i >> 1][2 + (i & 1)] = (words[i] >> 4) & 0x0F0F0F0Fu;
-  }
-}
-
-// W8: word 2i + h holds row 8i + g at k = 16h + 4t + j, so block b is words 4b, 4b+2, 4b+1, 4b+3.
-__device__ __forceinline__ void w8_to_a(const uint4& lo, const uint4& hi, uint32_t (&a)[2][4]) {
-  a[0][0] = lo.x; a[0][1] = lo.z; a[0][2] = lo.y; a[0][3] = lo.w;
-  a[1][0] = hi.x; a[1][1] = hi.z; a[1][2] = hi.y; a[1][3] = hi.w;
-}
-
-// One m16 block's A registers from its half of a lane's fragment (the wgmma kernel's block
-// split, where each warpgroup multiplies one block of the row tiles): W4, words 2b and 2b + 1
-// of the 16 bytes (rows 8(2b) + g and 8(2b + 1) + g); progressive, with the parameter words
-// shifted right by 16b so that their bytes 0 and 1 are those rows'. W8: the block's 16 bytes.
-template <bool BIASED = false>
-__device__ __forceinline__ void w4_progressive_block_to_a(const uint2& w, uint32_t s1_word, uint32_t zs1_word, uint32_t (&a)[4]) {
-  const uint32_t words[2] = {w.x, w.y};
+__device__ __forceinline__ void w4_progressive_block_to_a(uint32_t w0, uint32_t w1, uint32_t s1_word, uint32_t zs1_word,
+                                                          int b, uint32_t (&a)[4]) {
+  const uint32_t words[2] = {w0, w1};
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const uint32_t s1 = __byte_perm(s1_word, 0, 0x4440 | j);
-    const uint32_t c = 0x80808080u - __byte_perm(zs1_word, 0, 0x1111 * j);
+    const int i = 2 * b + j;
+    const uint32_t s1 = __byte_perm(s1_word, 0, 0x4440 | i);           // byte i, zero-extended
+    const uint32_t c = 0x80808080u - __byte_perm(zs1_word, 0, 0x1111 * i);  // 128 - z*s1, x4
     a[j] = progressive_quad<BIASED>(words[j] & 0x0F0F0F0Fu, s1, c);
     a[2 + j] = progressive_quad<BIASED>((words[j] >> 4) & 0x0F0F0F0Fu, s1, c);
   }
 }
-__device__ __forceinline__ void w4_codes_block_to_a(const uint2& w, uint32_t (&a)[4]) {
-  a[0] = w.x & 0x0F0F0F0Fu;
-  a[1] = w.y & 0x0F0F0F0Fu;
-  a[2] = (w.x >> 4) & 0x0F0F0F0Fu;
-  a[3] = (w.y >> 4) & 0x0F0F0F0Fu;
+template <bool BIASED = false>
+__device__ __forceinline__ void w4_progressive_to_a(const uint4& w, uint32_t s1_word, uint32_t zs1_word,
+                                                    uint32_t (&a)[2][4]) {
+  w4_progressive_block_to_a<BIASED>(w.x, w.y, s1_word, zs1_word, 0, a[0]);
+  w4_progressive_block_to_a<BIASED>(w.z, w.w, s1_word, zs1_word, 1, a[1]);
 }
+
+// Per-channel W4: the raw codes 0..15 are already valid s8 operands; the zero point is
+// applied once per output in the epilogue (acc - z * rowsum(x)).
+__device__ __forceinline__ void w4_codes_block_to_a(uint32_t w0, uint32_t w1, uint32_t (&a)[4]) {
+  a[0] = w0 & 0x0F0F0F0Fu;
+  a[1] = w1 & 0x0F0F0F0Fu;
+  a[2] = (w0 >> 4) & 0x0F0F0F0Fu;
+  a[3] = (w1 >> 4) & 0x0F0F0F0Fu;
+}
+__device__ __forceinline__ void w4_codes_to_a(const uint4& w, uint32_t (&a)[2][4]) {
+  w4_codes_block_to_a(w.x, w.y, a[0]);
+  w4_codes_block_to_a(w.z, w.w, a[1]);
+}
+
+// W8: 32 bytes a lane, block b's 16 bytes (b = 0: lo, 1: hi); word 2i + h of a block holds
+// row 8i + g at k = 16h + 4t + j, so its registers are words 0, 2, 1, 3.
 __device__ __forceinline__ void w8_block_to_a(const uint4& w, uint32_t (&a)[4]) {
   a[0] = w.x; a[1] = w.z; a[2] = w.y; a[3] = w.w;
 }
+__device__ __forceinline__ void w8_to_a(const uint4& lo, const uint4& hi, uint32_t (&a)[2][4]) {
+  w8_block_to_a(lo, a[0]);
+  w8_block_to_a(hi, a[1]);
+}
 
-// One lane's raw fragment of one tile, plus its group parameters (progressive).
-template <Kind K>
+// A lane's raw fragment of one tile in the wgmma kernel's shared memory - BLOCKS of its two
+// m16 blocks from block blk0 on (the K2 form: one, its half of the lane's bytes) - plus its group
+// parameter words (progressive).
+template <Kind K, int BLOCKS = 2>
 struct Fragment {
-  uint4 w[kLaneBytes<K> / 16];
+  static constexpr int kBlockWords = kLaneBytes<K> / 8;  // W4: 2 words a block, W8: 4
+  uint32_t w[BLOCKS * kBlockWords];
   uint32_t s1, zs1;
 
+  // lane_tile: the lane's bytes of the tile (kLaneBytes of them).
+  __device__ __forceinline__ void load(uint32_t lane_tile, int blk0) {
+    const uint32_t at = lane_tile + 4 * kBlockWords * blk0;
+    if constexpr (BLOCKS * kBlockWords == 2) {
+      const uint2 v = lds_v2(at);
+      w[0] = v.x, w[1] = v.y;
+    } else {
+#pragma unroll
+      for (int h = 0; h < BLOCKS * kBlockWords / 4; ++h) {
+        const uint4 v = lds_v4(at + 16 * h);
+        w[4 * h] = v.x, w[4 * h + 1] = v.y, w[4 * h + 2] = v.z, w[4 * h + 3] = v.w;
+      }
+    }
+  }
+
   template <bool BIASED = false>  // progressive: UINT8 weights + 128 (progressive_quad)
-  __device__ __forceinline__ void to_a(uint32_t (&a)[2][4]) const {
-    if constexpr (K == Kind::kProgressive) w4_progressive_to_a<BIASED>(w[0], s1, zs1, a);
-    if constexpr (K == Kind::kUInt4Channel) w4_codes_to_a(w[0], a);
-    if constexpr (K == Kind::kInt8Channel) w8_to_a(w[0], w[kLaneBytes<K> / 16 - 1], a);
+  __device__ __forceinline__ void to_a(uint32_t (&a)[BLOCKS][4], int blk0) const {
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+      const uint32_t* v = w + kBlockWords * b;
+      if constexpr (K == Kind::kProgressive) w4_progressive_block_to_a<BIASED>(v[0], v[1], s1, zs1, blk0 + b, a[b]);
+      if constexpr (K == Kind::kUInt4Channel) w4_codes_block_to_a(v[0], v[1], a[b]);
+      if constexpr (K == Kind::kInt8Channel) w8_block_to_a(make_uint4(v[0], v[1], v[2], v[3]), a[b]);
+    }
   }
 };
 

@@ -274,10 +274,12 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS>::kThreads, 1) wgmma_ker
     // the results went wrong: notes-gemm.md, version 6.)
     // All of the stage's fragments first: their shared-memory latencies overlap. No k-tile is
     // skipped in the last, partial stage: TMA filled the k-tiles past K with zeros (weights,
-    // group parameters and activations alike), and they add zero. one_group (progressive, groups
-    // of >= 4 k-tiles, so the stage lies in one group): the group's parameter words are read
-    // once and its per-row constants built once for the four k-tiles, not per k-tile (H200,
-    // benchmarks/library_ab.py: per group 1.03x at M = 256, 1.07x at M = 1024).
+    // group parameters and activations alike), and they add zero. The warpgroup's m16 blocks
+    // only (kBlocks from blk: both, or in the K2 form its one block - half of each lane's
+    // bytes, and of each parameter word's). one_group (progressive, groups of >= 4 k-tiles, so
+    // the stage lies in one group): the group's parameter words are read once and its per-row
+    // constants built once for the four k-tiles, not per k-tile (H200, benchmarks/library_ab.py:
+    // per group 1.03x at M = 256, 1.07x at M = 1024).
     auto multiply_stage = [&](auto one_group) {
       constexpr bool kOneGroup = decltype(one_group)::value;
       const uint32_t params = base + S::kXBytes + S::kWBytes + rt * gps * 32 + 4 * g;  // progressive: group 0 of the stage
@@ -286,13 +288,11 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS>::kThreads, 1) wgmma_ker
         s1_word = lds_u32(params);
         zs1_word = lds_u32(params + param_box);
       }
-      Fragment<K> f[S::kKT];
-      uint32_t a[S::kKT][2][4];
+      Fragment<K, S::kBlocks> f[S::kKT];
+      uint32_t a[S::kKT][S::kBlocks][4];
 #pragma unroll
       for (int kk = 0; kk < S::kKT; ++kk) {
-        const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
-#pragma unroll
-        for (int h = 0; h < kBytes / 16; ++h) f[kk].w[h] = lds_v4(wtile + 16 * h);
+        f[kk].load(base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes, blk);
         if constexpr (K == Kind::kProgressive) {
           // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
           f[kk].s1 = kOneGroup ? s1_word : lds_u32(params + (kk >> p.group_shift) * 32);
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS>::kThreads, 1) wgmma_ker
         }
       }
 #pragma unroll
-      for (int kk = 0; kk < S::kKT; ++kk) f[kk].template to_a<BIASED>(a[kk]);
+      for (int kk = 0; kk < S::kKT; ++kk) f[kk].template to_a<BIASED>(a[kk], blk);
       // The wgmmas in each branch's own code: issued after the join, ptxas moved the two
       // branches' A registers into common ones past the fence and injected a warpgroup.arrive
       // before 7 of the 8 wgmmas (its C7519 notes; now one).
@@ -308,47 +308,12 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS>::kThreads, 1) wgmma_ker
 #pragma unroll
       for (int kk = 0; kk < S::kKT; ++kk) {
         const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
-        wgmma_m64n128k32_rs<BIASED>(acc[0], a[kk][0], desc);
-        wgmma_m64n128k32_rs<BIASED>(acc[1], a[kk][1], desc);
+#pragma unroll
+        for (int b = 0; b < S::kBlocks; ++b) wgmma_m64n128k32_rs<BIASED>(acc[b], a[kk][b], desc);
       }
     };
-    // K2 (BS = 2): this warpgroup's block of each k-tile only - its half of every lane's 16 bytes
-    // (W4: words 2 blk, 2 blk + 1; W8: the block's 16 of 32 bytes), and of the parameter
-    // bytes (shifted down by 16 blk: bytes 0, 1 are the block's rows).
-    auto multiply_block = [&](auto one_group) {
-      constexpr bool kOneGroup = decltype(one_group)::value;
-      const uint32_t params = base + S::kXBytes + S::kWBytes + rt * gps * 32 + 4 * g;
-      const int shift = 16 * blk;
-      uint32_t s1_word = 0, zs1_word = 0;
-      if constexpr (kOneGroup) {
-        s1_word = lds_u32(params) >> shift;
-        zs1_word = lds_u32(params + param_box) >> shift;
-      }
-      uint32_t a[S::kKT][4];
-#pragma unroll
-      for (int kk = 0; kk < S::kKT; ++kk) {
-        const uint32_t wtile = base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes;
-        if constexpr (K == Kind::kInt8Channel) {
-          w8_block_to_a(lds_v4(wtile + 16 * blk), a[kk]);
-        } else if constexpr (K == Kind::kUInt4Channel) {
-          w4_codes_block_to_a(lds_v2(wtile + 8 * blk), a[kk]);
-        } else {
-          const uint32_t s1 = kOneGroup ? s1_word : lds_u32(params + (kk >> p.group_shift) * 32) >> shift;
-          const uint32_t zs1 = kOneGroup ? zs1_word : lds_u32(params + (kk >> p.group_shift) * 32 + param_box) >> shift;
-          w4_progressive_block_to_a<BIASED>(lds_v2(wtile + 8 * blk), s1, zs1, a[kk]);
-        }
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < S::kKT; ++kk) wgmma_m64n128k32_rs<BIASED>(acc[0], a[kk], wgmma_desc_k128b(base + kk * 32));
-    };
-    if constexpr (BS == 2) {
-      if (K == Kind::kProgressive && gps == 1) multiply_block(std::true_type{});
-      else multiply_block(std::false_type{});
-    } else {
-      if (K == Kind::kProgressive && gps == 1) multiply_stage(std::true_type{});
-      else multiply_stage(std::false_type{});
-    }
+    if (K == Kind::kProgressive && gps == 1) multiply_stage(std::true_type{});
+    else multiply_stage(std::false_type{});
     wgmma_commit();
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(empty + 8 * slot(j));  // this stage's slot can be refilled
