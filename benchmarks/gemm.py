@@ -400,6 +400,7 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None, kind: str 
         auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
         plans = [auto] + [cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 2, 3, 4, 8)]
         plans += [cuda_ops.Plan(cuda_ops.WGMMA_K2, 1, s) for s in (1, 2, 3, 4, 8)]
+        plans += [cuda_ops.Plan(cuda_ops.WGMMA_K2_T64, 1, s) for s in (1, 2, 3, 4, 8)]
         for p in dict.fromkeys(plans):
             us = time_with_plan(p, [lambda w=w: op(x_q, x_scale, x_rowsum, *w, n) for w in weights])
             rows.append({"M": m, "N": n, "K": k, "kind": kind, "plan": p.name(), "tile": p.tile, "splits": p.splits,
@@ -408,7 +409,8 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None, kind: str 
                   f"int_mm {int_mm:7.2f} ({int_mm / us:4.2f}x){'  <- plan' if p == auto else ''}", flush=True)
         del weights
         torch.cuda.empty_cache()
-    lines = [f"wgmma kernel, {kind} (g{GROUP}): plan's choice and the best of 1-2 warpgroups (or the K2 form) x 1-8 splits",
+    lines = [f"wgmma kernel, {kind} (g{GROUP}): plan's choice and the best of 1-2 warpgroups (or the K2 form, 128 or 64 "
+             "tokens) x 1-8 splits",
              f"{'M':>4} {'N x K':>11} | {'bf16':>7} {'int_mm':>7} | {'plan':>26} {'us':>7} | {'best':>26} {'us':>7} | best/bf16"]
     for m, n, k in cases:
         rs = [r for r in rows if (r["M"], r["N"], r["K"]) == (m, n, k)]

@@ -337,19 +337,31 @@ __device__ __forceinline__ void wgmma_m64n128k32_rs(int (&d)[64], const uint32_t
 #undef QOQ_WGMMA_N128_RS
 
 // The same with 64 columns (d[i] as above, i < 32).
+#define QOQ_WGMMA_N64_RS(ATYPE)                                                                                      \
+  asm volatile(                                                                                                     \
+      "{\n"                                                                                                         \
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32." ATYPE ".s8 "                                                     \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                      \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                             \
+      "{%32, %33, %34, %35}, %36, 1;\n"                                                                             \
+      "}\n"                                                                                                         \
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),              \
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),        \
+        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),      \
+        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])       \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+template <bool A_U8 = false>
 __device__ __forceinline__ void wgmma_m64n64k32_rs(int (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, 1;\n"
-      "}\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
-        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
-        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
-        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  if constexpr (A_U8) QOQ_WGMMA_N64_RS("u8");
+  else QOQ_WGMMA_N64_RS("s8");
+}
+#undef QOQ_WGMMA_N64_RS
+
+// m64 x N x k32 for N = 128 or 64 (d holds N / 2 accumulators), as above.
+template <bool A_U8, int N>
+__device__ __forceinline__ void wgmma_m64nNk32_rs(int (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (N == 128) wgmma_m64n128k32_rs<A_U8>(d, a, desc_b);
+  else wgmma_m64n64k32_rs<A_U8>(d, a, desc_b);
 }
 #endif  // QOQ_HAS_WGMMA
 

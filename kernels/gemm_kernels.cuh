@@ -30,7 +30,8 @@
 //     so that split-K partials and outputs move as coalesced vectors (wgmma_epilogue).
 //     Its K2 form (kWgmmaK2) gives one 128-row tile four warpgroups: two halves, each with its
 //     own ring, taking alternate stages, and in each half one warpgroup per m16 block; their
-//     sums meet in shared memory before the epilogue.
+//     sums meet in shared memory before the epilogue. kWgmmaK2T64: the same with 64 tokens per
+//     CTA (m64n64 wgmmas), for M <= 64 and M ~ 128.
 //     Progressive weights: the group's constants are built once per stage when the group spans
 //     it, and with the tokens' row sums the weights go in as UINT8 + 128 (BIASED; the epilogue
 //     subtracts 128 * rowsum(x)).
@@ -61,7 +62,8 @@ namespace qoq::gemm {
 // kStream: the stream kernel with 8 warps per CTA (2 row tiles x 4 k-slices), two CTAs per SM;
 // kStream1x16 / kStream2x8: 16 warps per CTA (1 x 16, 2 x 8), one CTA per SM - for decode
 // shapes whose row tiles alone fill the GPU, so that K needs no split across CTAs.
-enum class KernelId : int { kStream = 0, kWgmma = 1, kStream1x16 = 2, kStream2x8 = 3, kWgmmaK2 = 4 };
+// kWgmmaK2T64: the K2 form with 64 tokens per CTA (m64n64 wgmmas).
+enum class KernelId : int { kStream = 0, kWgmma = 1, kStream1x16 = 2, kStream2x8 = 3, kWgmmaK2 = 4, kWgmmaK2T64 = 5 };
 
 // Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
 // (on by default; qoq_gemm_set_dependent_launch): their CTAs start while the previous kernel
@@ -178,9 +180,9 @@ cudaError_t encode_map(CUtensorMap* map, CUtensorMapDataType type, const void* b
   return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <Kind K, int WGS, int KS = 1>
+template <Kind K, int WGS, int KS = 1, int BN = 128>
 cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
-  using S = WgmmaShape<K, WGS, KS>;
+  using S = WgmmaShape<K, WGS, KS, BN>;
   int major = 0;
   QOQ_RETURN_IF_ERROR(current_device_major(&major));
   if (major != 9) return cudaErrorInvalidDeviceFunction;  // wgmma exists only in the sm_90a image
@@ -207,7 +209,7 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
   }
   const dim3 grid(ceil_div(p.NT, S::kRT), ceil_div(p.M, S::kBN), p.splits);
   auto go = [&](auto biased) {  // progressive with the tokens' row sums: the UINT8 form (wgmma_kernel's BIASED)
-    const auto kernel = wgmma_kernel<K, WGS, KS, decltype(biased)::value>;
+    const auto kernel = wgmma_kernel<K, WGS, KS, decltype(biased)::value, BN>;
     QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem));
     return launch_maybe_pdl(kernel, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), p, maps);
   };
@@ -244,13 +246,14 @@ cudaError_t launch_stream_kernel(const Params& p, int kernel, int tile, cudaStre
 
 // kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),
 // wgmma with WGS = tile (1, 2), wgmma with two halves of warpgroups splitting the stages of
-// one 128-row tile (kWgmmaK2, tile 1: four warpgroups, two per half, one m16 block each), the
-// 16-warp stream shapes with NB = tile (1, 2).
+// one 128-row tile (kWgmmaK2, tile 1: four warpgroups, two per half, one m16 block each) with
+// 128 or 64 (kWgmmaK2T64) tokens, the 16-warp stream shapes with NB = tile (1, 2).
 template <Kind K>
 cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > p.KT) return cudaErrorInvalidValue;
   if (kernel == static_cast<int>(KernelId::kWgmmaK2)) return tile == 1 ? launch_wgmma<K, 1, 2>(p, stream) : cudaErrorInvalidValue;
+  if (kernel == static_cast<int>(KernelId::kWgmmaK2T64)) return tile == 1 ? launch_wgmma<K, 1, 2, 64>(p, stream) : cudaErrorInvalidValue;
   if (kernel != static_cast<int>(KernelId::kWgmma)) return launch_stream_kernel<K, false>(p, kernel, tile, stream);
   switch (tile) {
     case 1: return launch_wgmma<K, 1>(p, stream);

@@ -12,11 +12,11 @@ namespace qoq::gemm {
 // wgmma_kernel: Hopper warpgroup MMA fed by TMA, for large M (sm_90a)
 // ---------------------------------------------------------------------------------------
 //
-// CTA = WGS warpgroups x 128 rows (4 row tiles each) x 128 tokens; grid = (NT / (4 WGS),
-// M / 128, splits). One pipeline stage = 4 k-tiles = 128 bytes of K: exactly one row of the
-// 128-byte swizzle, so a stage's activations are one TMA box of 128 tokens x 128 bytes,
+// CTA = WGS warpgroups x 128 rows (4 row tiles each) x BN = 128 tokens; grid = (NT / (4 WGS),
+// M / BN, splits). One pipeline stage = 4 k-tiles = 128 bytes of K: exactly one row of the
+// 128-byte swizzle, so a stage's activations are one TMA box of BN tokens x 128 bytes,
 // swizzled by the copy engine as wgmma wants them. Per stage, shared memory holds
-//   [activations 128 x 128 B, swizzled][weights: row tile x k-tile x lane x 16 B, the packed
+//   [activations BN x 128 B, swizzled][weights: row tile x k-tile x lane x 16 B, the packed
 //    order][progressive: scale1 box, z*s1 box: row tile x group x 32 B]
 // all brought by TMA (rows and k-tiles past the end arrive as zeros). Thread 0 issues the
 // copies S-1 stages ahead and they complete on the stage's `full` mbarrier; each warp
@@ -39,24 +39,35 @@ namespace qoq::gemm {
 // the block split puts four pipelines of half the work on the SM for the same registers and
 // is 1.05x faster again (H200, benchmarks/gemm.py --explore-wgmma: 1.00-1.09x in all 130
 // case x split pairs; notes-gemm.md, version 17).
+//
+// BN = 64 (kernel id kWgmmaK2T64, the K2 form only): 64 tokens per CTA, m64n64 wgmmas, 32
+// accumulators a thread, five slots per half. At M <= 64 a 128-token tile multiplies half
+// zeros; 64-token tiles do half the tensor-core work per stage for the same dequantization
+// (a stage costs ~0.78x the 128-token one) and, at M = 65..128, twice the CTAs without a K
+// split. H200 (benchmarks/gemm.py --explore-wgmma, notes-gemm.md, version 18): 1.14-1.27x the
+// best 128-token choice at M = 64 on five shapes, 1.11x at M = 128 on 4096^2; from M = 256 the
+// 128-token forms are as fast or faster.
 
 struct TmaMaps {
   CUtensorMap x, w, s1, zs1;  // s1/zs1 only for progressive weights
 };
 
-template <Kind K, int WGS, int KS = 1>
+template <Kind K, int WGS, int KS = 1, int BN = 128>
 struct WgmmaShape {
   static_assert(KS == 1 || (KS == 2 && WGS == 1), "a K split of one 128-row tile");
+  static_assert(BN == 128 || (BN == 64 && KS == 2), "64-token tiles: the K2 form only");
   static constexpr int kBS = KS;            // the K2 form splits each half's rows by m16 block too
   static constexpr int kBlocks = 2 / kBS;   // m64 blocks (wgmma accumulators) per warpgroup
-  static constexpr int kBN = 128;      // tokens per CTA
+  static constexpr int kBN = BN;       // tokens per CTA
   static constexpr int kRT = 4 * WGS;  // row tiles per CTA
   static constexpr int kKT = 4;        // k-tiles per stage
   static constexpr int kXBytes = kBN * 128;
   static constexpr int kWBytes = kRT * kKT * 32 * kLaneBytes<K>;
   static constexpr int kPBytes = K == Kind::kProgressive ? 2 * kRT * 4 * 32 : 0;  // up to 4 groups a stage
   static constexpr int kStage = (kXBytes + kWBytes + kPBytes + 1023) / 1024 * 1024;
-  static constexpr int kMaxStages = KS == 1 ? 6 : 8;  // KS = 2: up to 4 slots per warpgroup
+  // KS = 2: up to 4 slots per warpgroup, 5 with 64 tokens (H200, benchmarks/library_ab.py: 1.03x
+  // at M = 64 per group against 4)
+  static constexpr int kMaxStages = KS == 1 ? 6 : (BN == 64 ? 10 : 8);
   static constexpr int kFit = 200 * 1024 / kStage;
   static constexpr int kStages = (kFit < kMaxStages ? kFit : kMaxStages) / KS * KS;
   static constexpr int kRing = kStages / KS;             // the slots of one warpgroup's pipeline
@@ -75,20 +86,20 @@ struct WgmmaShape {
 // [rows] INT32 tile, each thread owns instead 32 chunks of 4 consecutive rows of one token
 // (tokens 4 apart): partial sums move as coalesced 16-byte loads and stores, 16 in flight
 // at once, and the scales are read before anything is stored.
-template <int WGS, int KS = 1>
+template <int WGS, int KS = 1, int BN = 128>
 struct WgmmaStaging {
   static constexpr int kBS = KS;                         // as WgmmaShape
   static constexpr int kRows = 128 * WGS;                // rows of the CTA's tile
   static constexpr int kPitch = kRows + 4;               // words per token: +4 puts a warp's 32 staging stores on 32 banks
   static constexpr int kChunks = kRows / 4;              // 16-byte chunks per token
   static constexpr int kTokenStep = 128 * WGS * KS * kBS / kChunks;  // = 4 (KS = 2: 16) tokens per pass of the CTA's threads
-  static constexpr int kPasses = 128 / kTokenStep;       // = 32 (8) chunks per thread
-  static constexpr int kBytes = 128 * kPitch * 4;
+  static constexpr int kPasses = BN / kTokenStep;        // = 32 (8; BN = 64: 4) chunks per thread
+  static constexpr int kBytes = BN * kPitch * 4;
 };
 
-template <Kind K, int WGS, int KS = 1, bool BIASED = false>
-__device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2 / KS][64], int* tile, int m0, int nt0) {
-  using T = WgmmaStaging<WGS, KS>;
+template <Kind K, int WGS, int KS = 1, bool BIASED = false, int BN = 128>
+__device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2 / KS][BN / 2], int* tile, int m0, int nt0) {
+  using T = WgmmaStaging<WGS, KS, BN>;
   constexpr int BS = T::kBS, kBlocks = 2 / BS;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
   // KS = 2: which K half and which m16 block (KS = 1: both blocks); the warp's row tile.
@@ -98,7 +109,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
-      for (int i = 0; i < 64; ++i) tile[at(b, i)] = acc[b][i];
+      for (int i = 0; i < BN / 2; ++i) tile[at(b, i)] = acc[b][i];
   }
   __syncthreads();
   if constexpr (KS == 2) {
@@ -106,7 +117,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
-        for (int i = 0; i < 64; ++i) tile[at(b, i)] += acc[b][i];  // exact: INT32
+        for (int i = 0; i < BN / 2; ++i) tile[at(b, i)] += acc[b][i];  // exact: INT32
     }
     __syncthreads();
   }
@@ -140,7 +151,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   }
   // Blocks of 16 tokens: the other splits' partials (16 loads in flight per split) and the
   // tokens' scales are all read before the block's stores.
-  constexpr int kBlock = BS == 2 ? 8 : 16;  // K2: 128 registers a thread
+  constexpr int kBlock = BS == 2 ? (T::kPasses < 8 ? T::kPasses : 8) : 16;  // K2: 128 registers a thread
   static_assert(T::kPasses % kBlock == 0, "whole blocks of tokens");
 #pragma unroll 1
   for (int j0 = 0; j0 < T::kPasses; j0 += kBlock) {
@@ -194,11 +205,11 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
 // per group 1.04x at M = 256, 1.05x at M = 1024). A kernel of its own rather than a branch in the
 // stage loop: with four stage variants in one kernel, ptxas serialized the wgmmas for want of
 // registers (its C7511 note).
-template <Kind K, int WGS, int KS = 1, bool BIASED = false>
-__global__ void __launch_bounds__(WgmmaShape<K, WGS, KS>::kThreads, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
+template <Kind K, int WGS, int KS = 1, bool BIASED = false, int BN = 128>
+__global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if QOQ_HAS_WGMMA
   static_assert(!BIASED || K == Kind::kProgressive, "only progressive weights are biased");
-  using S = WgmmaShape<K, WGS, KS>;
+  using S = WgmmaShape<K, WGS, KS, BN>;
   constexpr int BS = S::kBS;
   constexpr int kBytes = kLaneBytes<K>;
   extern __shared__ uint8_t smem_raw[];
@@ -247,11 +258,11 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS>::kThreads, 1) wgmma_ker
     }
   };
 
-  int acc[S::kBlocks][64];  // [m16 block of the row tile (K2: this warpgroup's)][wgmma fragment]
+  int acc[S::kBlocks][BN / 2];  // [m16 block of the row tile (K2: this warpgroup's)][wgmma fragment]
 #pragma unroll
   for (int b = 0; b < S::kBlocks; ++b)
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[b][i] = 0;
+    for (int i = 0; i < BN / 2; ++i) acc[b][i] = 0;
 
   if (tid == lead)
     for (int j = 0; j < S::kRing - 1 && j < mine; ++j) issue(j);
@@ -309,7 +320,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS>::kThreads, 1) wgmma_ker
       for (int kk = 0; kk < S::kKT; ++kk) {
         const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
 #pragma unroll
-        for (int b = 0; b < S::kBlocks; ++b) wgmma_m64n128k32_rs<BIASED>(acc[b], a[kk][b], desc);
+        for (int b = 0; b < S::kBlocks; ++b) wgmma_m64nNk32_rs<BIASED, BN>(acc[b], a[kk][b], desc);
       }
     };
     if (K == Kind::kProgressive && gps == 1) multiply_stage(std::true_type{});
@@ -319,8 +330,8 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS>::kThreads, 1) wgmma_ker
     if (lane == 0) mbar_arrive(empty + 8 * slot(j));  // this stage's slot can be refilled
   }
   __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
-  static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS, KS>::kBytes, "the staging tile must fit in the pipeline's slots");
-  wgmma_epilogue<K, WGS, KS, BIASED>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
+  static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS, KS, BN>::kBytes, "the staging tile must fit in the pipeline's slots");
+  wgmma_epilogue<K, WGS, KS, BIASED, BN>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
 #endif  // QOQ_HAS_WGMMA
 }
 }  // namespace qoq::gemm

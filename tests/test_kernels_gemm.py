@@ -167,8 +167,21 @@ def test_demo_model_shapes_exact(kind, group, n, k, m):
 # warpgroup without work.
 FORCED = [cuda_ops.Plan(cuda_ops.STREAM, nb, s) for nb in (1, 2, 4, 8) for s in (1, 3)] + [
     cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 3)
-] + [cuda_ops.Plan(cuda_ops.WGMMA_K2, 1, s) for s in (1, 3, 5)] + [
+] + [cuda_ops.Plan(k2, 1, s) for k2 in (cuda_ops.WGMMA_K2, cuda_ops.WGMMA_K2_T64) for s in (1, 3, 5)] + [
     cuda_ops.Plan(wide, nb, s) for wide in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for nb in (1, 2) for s in (1, 3)]
+
+
+# M = 17..32 on large W4 weights goes to the 64-token wgmma form (plan): exact there too, with
+# the last token tile partial. (W8A8 keeps the stream kernel there: test_plan_covers_the_gpu.)
+@on_gpu
+@pytest.mark.parametrize("kind", ["per_group", "per_channel"])
+@pytest.mark.parametrize("m", [17, 24, 32])
+def test_small_batch_on_the_wgmma_kernel_exact(kind, m):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs a Hopper GPU")
+    sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
+    assert cuda_ops.plan(m, 8192 // 32, 8192 // 32, sms, hopper).kernel == cuda_ops.WGMMA_K2_T64
+    check_gemm(kind, m, 8192, 8192)
 
 
 @on_gpu
@@ -475,22 +488,25 @@ def test_plan_covers_the_gpu(m, n, k):
     ctas = p.grid_tiles(m, n // 32) * p.splits
     assert 1 <= p.splits <= cuda_ops.MAX_SPLITS and p.splits <= k // 32
     stream_kernels = (cuda_ops.STREAM, cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8)
-    if m <= 32:
+    if m <= 16 or (m <= 32 and n * k // 2 < cuda_ops._WGMMA_NB4_MIN_BYTES):
         assert p.kernel in stream_kernels and 8 * p.tile >= m
-    else:
+    else:  # (M = 17..32 on large weights: the 64-token wgmma form)
         assert p.kernel in cuda_ops.WGMMA_KERNELS
     if n * k >= 4096 * 4096:
         assert ctas >= sms / 2  # enough CTAs to keep every multiprocessor busy
     assert cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False).kernel in stream_kernels  # sm_80: mma.sync only
+    if m <= 32:  # W8 weights: the stream kernel up to M = 32 on Hopper too
+        assert cuda_ops.plan(m, n // 32, k // 32, sms, hopper=True, weight_bits=8).kernel in stream_kernels
     assert cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False, wide=False).kernel == cuda_ops.STREAM
 
 
 # The fastest configuration measured on the H200 for these cases (benchmarks/notes-gemm.md:
 # the stream rows from version 9's --stage-ab (splits) and --explore-wide (16-warp CTAs), the
-# wgmma rows from version 17's --explore-wgmma, which timed every warpgroup x split choice):
-# the plan must keep picking it. (Not pinned: the three of version 17's 27 cases where the plan
-# takes a choice up to 1.09x slower; M = 1024 on 14336 x 4096 is one, two row warpgroups and the
-# K2 form within 0.1% there.)
+# wgmma rows from version 18's --explore-wgmma (M = 24..512, with the 64-token K2 form) and
+# version 17's (M = 512 on 8192^2, M = 1024), which timed every warpgroup x split choice): the
+# plan must keep picking it. (Not pinned: version 17's cases where the plan takes a choice up to
+# 1.09x slower; M = 1024 on 14336 x 4096 is one, two row warpgroups and the K2 form within 0.1%
+# there.)
 MEASURED_BEST = [  # (M, N, K, kernel, tile, splits)
     (1, 4096, 4096, cuda_ops.STREAM_1X16, 1, 1),
     (16, 4096, 4096, cuda_ops.STREAM_1X16, 2, 1),
@@ -498,18 +514,25 @@ MEASURED_BEST = [  # (M, N, K, kernel, tile, splits)
     (16, 8192, 8192, cuda_ops.STREAM_2X8, 2, 1),
     (8, 4096, 14336, cuda_ops.STREAM_1X16, 1, 1),
     (16, 14336, 4096, cuda_ops.STREAM, 2, 1),
-    (32, 8192, 8192, cuda_ops.STREAM, 4, 2),
+    (32, 8192, 8192, cuda_ops.WGMMA_K2_T64, 1, 2),
     (32, 4096, 4096, cuda_ops.STREAM, 4, 4),
-    (64, 4096, 4096, cuda_ops.WGMMA_K2, 1, 4),
+    (24, 4096, 4096, cuda_ops.STREAM, 4, 4),
+    (24, 14336, 4096, cuda_ops.WGMMA_K2_T64, 1, 1),
+    (32, 4096, 14336, cuda_ops.WGMMA_K2_T64, 1, 4),
+    (24, 5120, 5120, cuda_ops.WGMMA_K2_T64, 1, 3),
+    (64, 4096, 4096, cuda_ops.WGMMA_K2_T64, 1, 4),
+    (128, 4096, 4096, cuda_ops.WGMMA_K2_T64, 1, 2),
     (256, 4096, 4096, cuda_ops.WGMMA_K2, 1, 2),
     (512, 4096, 4096, cuda_ops.WGMMA_K2, 1, 1),
-    (64, 8192, 8192, cuda_ops.WGMMA_K2, 1, 2),
+    (64, 8192, 8192, cuda_ops.WGMMA_K2_T64, 1, 2),
     (256, 8192, 8192, cuda_ops.WGMMA_K2, 1, 1),
     (512, 8192, 8192, cuda_ops.WGMMA, 2, 1),
-    (64, 14336, 4096, cuda_ops.WGMMA_K2, 1, 1),
+    (64, 14336, 4096, cuda_ops.WGMMA_K2_T64, 1, 1),
     (256, 14336, 4096, cuda_ops.WGMMA, 2, 1),
+    (64, 4096, 11008, cuda_ops.WGMMA_K2_T64, 1, 4),
     (128, 4096, 11008, cuda_ops.WGMMA_K2, 1, 4),
     (256, 4096, 11008, cuda_ops.WGMMA_K2, 1, 2),
+    (64, 11008, 4096, cuda_ops.WGMMA_K2_T64, 1, 1),
     (128, 11008, 4096, cuda_ops.WGMMA_K2, 1, 1),
     (256, 11008, 4096, cuda_ops.WGMMA, 2, 1),   # three splits took 1.23x as long (the partials' round trip)
     (1024, 4096, 11008, cuda_ops.WGMMA, 2, 1),
@@ -525,7 +548,8 @@ def test_plan_picks_the_measured_best(m, n, k, kernel, tile, splits):
     cuda_ops.Plan(cuda_ops.STREAM, 3, 1),   # NB 3
     cuda_ops.Plan(cuda_ops.STREAM, 1, 0),   # no split
     cuda_ops.Plan(cuda_ops.STREAM, 1, 24),  # more splits than k-tiles
-    cuda_ops.Plan(5, 1, 1),                 # no such kernel
+    cuda_ops.Plan(6, 1, 1),                 # no such kernel
+    cuda_ops.Plan(cuda_ops.WGMMA_K2_T64, 2, 1),  # the K2 form has one 128-row tile
     cuda_ops.Plan(cuda_ops.WGMMA_K2, 2, 1), # the K2 form has one 128-row tile
     cuda_ops.Plan(cuda_ops.STREAM_1X16, 4, 1),  # 16-warp stream CTAs exist for NB = 1, 2 only
     cuda_ops.Plan(cuda_ops.WGMMA, 3, 1),    # three warpgroups

@@ -123,11 +123,13 @@ def _call(name: str, *args) -> None:
 
 
 # -- tile configuration by M ------------------------------------------------------------------
-STREAM, WGMMA, STREAM_1X16, STREAM_2X8, WGMMA_K2 = 0, 1, 2, 3, 4  # kernel ids of kernels/gemm_kernels.cuh (KernelId)
-KERNEL_NAMES = {STREAM: "stream", WGMMA: "wgmma", STREAM_1X16: "stream1x16", STREAM_2X8: "stream2x8", WGMMA_K2: "wgmma_k2"}
+STREAM, WGMMA, STREAM_1X16, STREAM_2X8, WGMMA_K2, WGMMA_K2_T64 = 0, 1, 2, 3, 4, 5  # kernel ids (KernelId of kernels/gemm_kernels.cuh)
+KERNEL_NAMES = {STREAM: "stream", WGMMA: "wgmma", STREAM_1X16: "stream1x16", STREAM_2X8: "stream2x8", WGMMA_K2: "wgmma_k2",
+                WGMMA_K2_T64: "wgmma_k2t64"}
 # The Hopper-only kernels (sm_90a). WGMMA_K2: one 128-row tile, two halves of warpgroups taking
-# alternate stages (and in each half one warpgroup per m16 block).
-WGMMA_KERNELS = (WGMMA, WGMMA_K2)
+# alternate stages (and in each half one warpgroup per m16 block); WGMMA_K2_T64 the same with 64
+# tokens per CTA instead of 128.
+WGMMA_KERNELS = (WGMMA, WGMMA_K2, WGMMA_K2_T64)
 # The stream kernel's CTA shapes: (row tiles, k-slice warps) by kernel id (launch_stream_shape).
 _STREAM_SHAPES = {STREAM: (2, 4), STREAM_1X16: (1, 16), STREAM_2X8: (2, 8)}
 
@@ -139,21 +141,33 @@ _STREAM_CHUNK = {1: 8, 2: 8, 4: 4, 8: 2}
 _STREAM_CTAS_PER_SM = {1: 2, 2: 2, 4: 2, 8: 1}
 _WGMMA_TOKENS, _WGMMA_ROW_TILES_PER_WG = 128, 4
 _WGMMA_MIN_M = 33  # measured on the H200 (benchmarks/notes-gemm.md): wgmma wins from M = 64, stream at M = 32
+# ... with 128-token tiles. With the 64-token K2 form the wgmma kernel is also faster at
+# M = 17..32 (NB = 4 for the stream kernel) on every benchmark shape whose packed weights
+# reach 13 MB (1.07-1.27x: 5120^2 up to 14336 x 4096, M = 24 and 32) and slower on 4096^2
+# (8.4 MB, 0.92-0.94x) (H200, benchmarks/results/gemm-v18-h200/m24-m32-explore.txt): the
+# plan takes it there from this many bytes of W4 codes, between the two measured sizes. Not for
+# W8 weights: W8A8 on the same shapes was 0.95-1.20x, slower on three of five
+# (w8a8-m24-m32.txt), so it keeps the stream kernel up to M = 32.
+_WGMMA_NB4_MIN_BYTES = 12 << 20
 # The wgmma kernel's time, fitted by least squares (relative error) to every choice that
-# benchmarks/gemm.py --explore-wgmma timed on the H200 (1 or 2 row warpgroups or the K2 form,
-# x 1-4 or 8 splits; 27 cases, M = 64..2048 on five shapes; benchmarks/fit_wgmma_plan.py on
-# benchmarks/results/gemm-v17-h200/fit-rows.json, notes-gemm.md, version 17): per wave of CTAs
-# a fixed cost plus a cost per 128-wide pipeline stage that one warpgroup walks (two row
-# warpgroups do twice the rows in ~1.2x the time of one; in the K2 form each half walks half
-# of the stages at ~1.26x a lone warpgroup's cost per stage), and per extra K split a fixed
-# cost plus the INT32 partials' round trip through the workspace, which grows with the output
-# (M x N x 4 bytes per split). Microseconds. It picks the measured best in 24 of the 27 cases
-# (the other three 1.049x, 1.089x and 1.001x the best); a constant cost per split (the model
-# before version 14) picked 23% slower choices where the partials are large (M = 256,
+# benchmarks/gemm.py --explore-wgmma timed on the H200 (1 or 2 row warpgroups, the K2 form with
+# 128 or 64 tokens, x 1-4 or 8 splits; 14 cases, M = 64..512 on five shapes;
+# benchmarks/fit_wgmma_plan.py on benchmarks/results/gemm-v18-h200/t64-explore.json,
+# notes-gemm.md, version 18): per wave of CTAs a fixed cost plus a cost per 128-wide pipeline
+# stage that one warpgroup walks (two row warpgroups do twice the rows in ~1.2x the time of one;
+# in the K2 form each half walks half of the stages at ~1.28x a lone warpgroup's cost per stage,
+# and with 64 tokens at ~0.78x the K2 form's: half the tensor-core work, the same
+# dequantization), and per extra K split a fixed cost plus the INT32 partials' round trip
+# through the workspace, which grows with the output (M x N x 4 bytes per split).
+# Microseconds. It picks the measured best in all 14 cases, in 17 of the 18 of the committed
+# library's sweep (gemm-v18-h200/final-explore.json, with a fifth slot per half for the 64-token
+# form and M = 32, 48; the other 1.025x the best), and in 24 of version 17's 27 (whose sweep had
+# no 64-token form; the other three within 1.09x); a constant cost per split (the
+# model before version 14) picked 23% slower choices where the partials are large (M = 256,
 # N = 11008: three splits of two warpgroups).
-_WGMMA_WAVE_US = 2.915
-_WGMMA_STAGE_US = {(WGMMA, 1): 0.786, (WGMMA, 2): 0.941, (WGMMA_K2, 1): 0.991}
-_WGMMA_SPLIT_US, _WGMMA_SPLIT_US_PER_MB = 1.085, 0.505
+_WGMMA_WAVE_US = 2.026
+_WGMMA_STAGE_US = {(WGMMA, 1): 0.825, (WGMMA, 2): 0.981, (WGMMA_K2, 1): 1.057, (WGMMA_K2_T64, 1): 0.827}
+_WGMMA_SPLIT_US, _WGMMA_SPLIT_US_PER_MB = 0.973, 0.594
 MAX_SPLITS = 8
 
 
@@ -170,7 +184,8 @@ class Plan:
         """CTA tiles in the (x, y) plane of the grid: the split-K counters needed."""
         if self.kernel in _STREAM_SHAPES:
             return math.ceil(n_tiles / _STREAM_SHAPES[self.kernel][0]) * math.ceil(m / (8 * self.tile))
-        return math.ceil(n_tiles / (_WGMMA_ROW_TILES_PER_WG * self.tile)) * math.ceil(m / _WGMMA_TOKENS)
+        tokens = 64 if self.kernel == WGMMA_K2_T64 else _WGMMA_TOKENS
+        return math.ceil(n_tiles / (_WGMMA_ROW_TILES_PER_WG * self.tile)) * math.ceil(m / tokens)
 
     def name(self) -> str:
         return f"{KERNEL_NAMES[self.kernel]} tile={self.tile} splits={self.splits}"
@@ -178,7 +193,7 @@ class Plan:
 
 def check_plan(p: Plan, k_tiles: int) -> None:
     """A plan the library can launch (PLAN_OVERRIDE may hold any): raise ValueError if not."""
-    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2), STREAM_1X16: (1, 2), STREAM_2X8: (1, 2), WGMMA_K2: (1,)}
+    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2), STREAM_1X16: (1, 2), STREAM_2X8: (1, 2), WGMMA_K2: (1,), WGMMA_K2_T64: (1,)}
     if p.kernel not in tiles or p.tile not in tiles[p.kernel]:
         raise ValueError(f"no kernel {p.kernel} with tile {p.tile}: kernels and tiles are {tiles}")
     most = math.ceil(k_tiles / 4) if p.kernel in WGMMA_KERNELS else k_tiles  # wgmma splits whole 4-k-tile stages
@@ -191,7 +206,7 @@ def stream_tile(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
 
 
-def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool = True) -> Plan:
+def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool = True, weight_bits: int = 4) -> Plan:
     """The tile configuration for an [m, 32*k_tiles] x [32*n_tiles, 32*k_tiles]^T GEMM.
 
     M <= 32 (or no Hopper): the stream kernel. The GEMM is a weight stream bounded by memory
@@ -200,21 +215,28 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
     run (enough 128-bit loads in flight), but never so far that a warp of a split gets less
     than one full chunk of k-tiles.
       M <= 8: NB 1 | <= 16: NB 2 | <= 32: NB 4 | larger (no Hopper): NB 8, ceil(M / 64) token tiles
+    (On Hopper, M = 17..32 with at least 12 MB of packed W4 weights goes to the wgmma kernel's
+    64-token form instead: measured 1.07-1.27x faster there, slower on 4096 x 4096; W8 weights,
+    weight_bits = 8, stay on the stream kernel.)
     At M <= 16, when the row tiles alone make one wave of 16-warp CTAs (3/4 of the SMs to all
     of them: 1 row tile per CTA, else 2), those CTAs (`wide`; 1 x 16 or 2 x 8 warps, one per
     SM) run unsplit instead: no split-K round trip, whose last CTA the next kernel waits for.
     Measured on the H200 (benchmarks/gemm.py --explore-wide): 1.12-1.20x on 4096 x 4096,
     1.05-1.11x on 4096 x 14336, 1.02-1.10x on 8192 x 8192; where they would need two waves
     (14336 x 4096) they were 0.76-0.84x, and the plan keeps the 8-warp CTAs there.
-    M > 32 on Hopper: the wgmma kernel, 128 tokens per CTA, one CTA per multiprocessor, with
-    1 or 2 warpgroups of 128 rows each, or the K2 form (128 rows, two halves of warpgroups
-    taking alternate stages, one warpgroup per m16 block in each), and 1..8 K splits (whole
-    pipeline stages): the least time in a model fitted to the measurements (_WGMMA_*: waves x
-    (fixed + stages a warpgroup walks x cost per stage) + cost per extra split, growing with the
-    output). On its sweep (15 choices x 27 cases, M = 64..2048 on five shapes) it picks the
-    fastest in 24 of 27 (the others within 1.09x), the K2 form in 16.
+    M > 32 on Hopper (and M = 17..32 as above): the wgmma kernel, one CTA per multiprocessor,
+    128 tokens per CTA with 1 or 2 warpgroups of 128 rows each, or the K2 form (128 rows, two
+    halves of warpgroups
+    taking alternate stages, one warpgroup per m16 block in each) with 128 or 64 tokens, and
+    1..8 K splits (whole pipeline stages): the least time in a model fitted to the measurements
+    (_WGMMA_*: waves x (fixed + stages a warpgroup walks x cost per stage) + cost per extra
+    split, growing with the output). On its sweep (20 choices x 14 cases, M = 64..512 on five
+    shapes) it picks the fastest in all 14: the 64-token K2 form at M = 64 (1.14-1.27x the
+    128-token forms) and at M = 128 on 4096 x 4096, the 128-token forms from M = 256.
     """
-    if m < _WGMMA_MIN_M or not hopper:
+    nb4_on_wgmma = (hopper and weight_bits == 4 and stream_tile(m) == 4
+                    and n_tiles * k_tiles * 512 >= _WGMMA_NB4_MIN_BYTES)  # 512 B of W4 codes a tile
+    if not hopper or (m < _WGMMA_MIN_M and not nb4_on_wgmma):
         nb = stream_tile(m)
         if wide and nb <= 2:
             for kernel in (STREAM_1X16, STREAM_2X8):
@@ -244,7 +266,7 @@ def wgmma_cost_terms(p: Plan, m: int, n_tiles: int, k_tiles: int, sms: int) -> t
     stages = math.ceil(k_tiles / 4)
     waves = math.ceil(p.grid_tiles(m, n_tiles) * p.splits / sms)
     walked = math.ceil(stages / p.splits)  # the stages of one split ...
-    if p.kernel == WGMMA_K2:
+    if p.kernel in (WGMMA_K2, WGMMA_K2_T64):
         walked = math.ceil(walked / 2)  # ... of which each of the K2 form's halves takes every other one
     return waves, walked, p.splits - 1, m * n_tiles * 32 * 4 / 1e6
 
@@ -496,7 +518,7 @@ def run_gemm(kind: str, *operands: Tensor, out_features: int, out: Tensor | None
     if x_rowsum is not None and hasattr(_lib(), "qoq_w4a8_gemm_per_group_rowsum"):  # (else an older build: without)
         entry, operands = "qoq_w4a8_gemm_per_group_rowsum", (*operands[:2], x_rowsum, *operands[2:])
     sms, hopper = _device_info(x_q.device.index)
-    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper)
+    p = PLAN_OVERRIDE or plan(m, n_tiles, kp // 32, sms, hopper, weight_bits=8 if kind == "w8a8" else 4)
     check_plan(p, kp // 32)
     split = _split_buffers(p, m, n_tiles, x_q.device)  # workspace, counters
     _call(entry, p.kernel, p.tile, p.splits, *map(kl.ptr, operands), kl.ptr(out), int(out_i32), m, out_features,
