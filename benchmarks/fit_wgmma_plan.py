@@ -39,10 +39,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="+")
     ap.add_argument("--forms", default=None, help="kernel-name + tile of the forms the plan chooses between "
-                    "(e.g. wgmma1,wgmma2,wgmma_k21); default: every form measured")
+                    "(e.g. wgmma1,wgmma2,wgmma_k21,wgmma_k2t641); default: every wgmma form measured")
     args = ap.parse_args()
     rows = [r for path in args.json for r in json.load(open(path))["explore_wgmma"]]
-    measured = sorted({form_of(r) for r in rows})
+    measured = sorted({form_of(r) for r in rows if form_of(r)[0] in cuda_ops.WGMMA_KERNELS})  # (not the stream plans of M <= 32)
     if args.forms:
         by_name = {f"{cuda_ops.KERNEL_NAMES[k]}{t}": (k, t) for k, t in measured}
         forms = [by_name[f] for f in args.forms.split(",")]
