@@ -149,9 +149,10 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
     sw[r] = in ? __half2float(p.scale[n0 + r]) : 0.f;
     zero[r] = K == Kind::kUInt4Channel && in ? static_cast<int>(p.zero[n0 + r]) : (BIASED ? 128 : 0);
   }
-  // Blocks of 16 tokens: the other splits' partials (16 loads in flight per split) and the
+  // Blocks of kBlock of a thread's chunks (16; the K2 form, 128 registers a thread: 8, or all
+  // 4 with 64 tokens): the other splits' partials (kBlock loads in flight per split) and the
   // tokens' scales are all read before the block's stores.
-  constexpr int kBlock = BS == 2 ? (T::kPasses < 8 ? T::kPasses : 8) : 16;  // K2: 128 registers a thread
+  constexpr int kBlock = BS == 2 ? (T::kPasses < 8 ? T::kPasses : 8) : 16;
   static_assert(T::kPasses % kBlock == 0, "whole blocks of tokens");
 #pragma unroll 1
   for (int j0 = 0; j0 < T::kPasses; j0 += kBlock) {

@@ -226,11 +226,10 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
     (14336 x 4096) they were 0.76-0.84x, and the plan keeps the 8-warp CTAs there.
     M > 32 on Hopper (and M = 17..32 as above): the wgmma kernel, one CTA per multiprocessor,
     128 tokens per CTA with 1 or 2 warpgroups of 128 rows each, or the K2 form (128 rows, two
-    halves of warpgroups
-    taking alternate stages, one warpgroup per m16 block in each) with 128 or 64 tokens, and
-    1..8 K splits (whole pipeline stages): the least time in a model fitted to the measurements
-    (_WGMMA_*: waves x (fixed + stages a warpgroup walks x cost per stage) + cost per extra
-    split, growing with the output). On its sweep (20 choices x 14 cases, M = 64..512 on five
+    halves of warpgroups taking alternate stages, one warpgroup per m16 block in each) with 128
+    or 64 tokens, and 1..8 K splits (whole pipeline stages): the least time in a model fitted
+    to the measurements (_WGMMA_*: waves x (fixed + stages a warpgroup walks x cost per stage)
+    + cost per extra split, growing with the output). On its sweep (20 choices x 14 cases, M = 64..512 on five
     shapes) it picks the fastest in all 14: the 64-token K2 form at M = 64 (1.14-1.27x the
     128-token forms) and at M = 128 on 4096 x 4096, the 128-token forms from M = 256.
     """
