@@ -19,14 +19,15 @@ namespace qoq::gemm {
 //   [activations BN x 128 B, swizzled][weights: row tile x k-tile x lane x 16 B, the packed
 //    order][progressive: scale1 box, z*s1 box: row tile x group x 32 B]
 // all brought by TMA (rows and k-tiles past the end arrive as zeros). Thread 0 issues the
-// copies S-1 stages ahead and they complete on the stage's `full` mbarrier; each warp
-// arrives on the stage's `empty` mbarrier once its wgmmas of that stage have retired, which
-// lets thread 0 reuse the slot. Warpgroups never wait for each other otherwise.
+// copies S-1 stages ahead (the first stage's weights before the dependent-launch wait) and
+// they complete on the stage's `full` mbarrier; each warp arrives on the stage's `empty`
+// mbarrier once its wgmmas of that stage have retired, which lets thread 0 reuse the slot.
+// Warpgroups never wait for each other otherwise.
 //
 // KS = 2 (kernel id kWgmmaK2, WGS = 1): four warpgroups share one 128-row tile. The tile's
 // stages are split in two halves, warpgroups of half q taking stages q, q + 2, q + 4, ...;
 // each half has its own half of the slots (a ring of kStages / 2, refilled by its own first
-// thread), so the halves run as independent pipelines. And each half's rows are split by m16
+// thread after its own stage, kRefillAfter), so the halves run as independent pipelines. And each half's rows are split by m16
 // block (BS = 2, kBS): warpgroup (q, b) multiplies only block b (rows 32w + 16b .. + 15 of
 // its warps' row tiles) - one m64 wgmma per k-tile, half of each lane's fragment, 64
 // accumulator registers - and both block warpgroups of a half read its slots (`empty` counts
@@ -244,13 +245,16 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
     mbar_fence_init();
   }
   __syncthreads();
-  pdl_wait();  // the previous kernel (which may write our activations) has finished
 
-  auto issue = [&](int j) {  // the pipeline's lead thread: all copies of its j-th stage
-    const int kt0 = kt_begin + (kq + KS * j) * S::kKT;
+  // The pipeline's lead thread issues all copies of its j-th stage: the static ones (weights
+  // and group parameters, which no earlier kernel writes) with the stage's whole byte count,
+  // and the activations, which it may only read after pdl_wait. The stage's `full` barrier
+  // completes when both have landed, in either order.
+  auto stage_k = [&](int j) { return kt_begin + (kq + KS * j) * S::kKT; };
+  auto issue_static = [&](int j) {
+    const int kt0 = stage_k(j);
     const uint32_t base = smem + slot(j) * S::kStage, bar = full + 8 * slot(j);
     mbar_arrive_expect_tx(bar, tx_bytes);
-    tma_load_2d(base, &maps.x, kt0 * 32, m0, bar);
     tma_load_3d(base + S::kXBytes, &maps.w, 0, kt0, nt0, bar);
     if constexpr (K == Kind::kProgressive) {
       const int grp0 = kt0 >> p.group_shift;
@@ -258,6 +262,28 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
       tma_load_3d(base + S::kXBytes + S::kWBytes + param_box, &maps.zs1, 0, grp0, nt0, bar);
     }
   };
+  auto issue_x = [&](int j) { tma_load_2d(smem + slot(j) * S::kStage, &maps.x, stage_k(j) * 32, m0, full + 8 * slot(j)); };
+  auto issue = [&](int j) {
+    issue_static(j);
+    issue_x(j);
+  };
+  // Before pdl_wait, while the previous kernel may still run (its last CTAs, or a quantize
+  // kernel): the first stage's weights, so that after the wait that stage waits only for its
+  // activations (from L2). Only the first: with every stage of the initial fill sent early,
+  // the first activations queued behind them (H200, benchmarks/library_ab.py, one process:
+  // 0.96-0.99x; the first stage alone 1.03x at M = 64, 1.02x at M = 256, 1.01x at M = 1024,
+  // the first two 1.00-1.01x; prefetch.tensormap of the maps added nothing).
+  // Refills (kRefillAfter: the K2 forms) wait, after the lead warp's own stage j, until every
+  // warp of the pipeline is done with stage j and refill its slot with stage j + kRing, so
+  // every slot of the ring holds a stage ahead; otherwise, before stage j, the slot of stage
+  // j - 1 with stage j + kRing - 1. With four slots per half the K2 form gains the extra stage
+  // of lookahead (H200, benchmarks/library_ab.py, one process: 1.01-1.06x at M = 256, 1.05x at
+  // M = 1024 on 14336 x 4096), while the forms with one pipeline per CTA (six slots) lose
+  // 2-4% to the lead warp waiting for the slowest one after each stage.
+  constexpr bool kRefillAfter = KS == 2;
+  const int filled = min(kRefillAfter ? S::kRing : S::kRing - 1, mine);
+  if (tid == lead && filled > 0) issue_static(0);
+  pdl_wait();  // the previous kernel (which may write our activations) has finished
 
   int acc[S::kBlocks][BN / 2];  // [m16 block of the row tile (K2: this warpgroup's)][wgmma fragment]
 #pragma unroll
@@ -266,13 +292,18 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
     for (int i = 0; i < BN / 2; ++i) acc[b][i] = 0;
 
   if (tid == lead)
-    for (int j = 0; j < S::kRing - 1 && j < mine; ++j) issue(j);
+    for (int j = 0; j < filled; ++j) {
+      if (j == 0) issue_x(0);  // its weights went out before the wait
+      else issue(j);
+    }
   const int rt = warp % S::kRT;  // this warp's row tile in the CTA (warp w of warpgroup q: 4q + w; KS = 2: w)
   for (int j = 0; j < mine; ++j) {
-    const int ahead = j + S::kRing - 1;  // refill the slot of stage j-1, released at the end of iteration j-1
-    if (tid == lead && ahead < mine) {
-      if (ahead >= S::kRing) mbar_wait(empty + 8 * slot(ahead), (ahead / S::kRing - 1) & 1);
-      issue(ahead);
+    if (!kRefillAfter) {
+      const int ahead = j + S::kRing - 1;  // refill the slot of stage j-1, released at the end of iteration j-1
+      if (tid == lead && ahead < mine) {
+        if (ahead >= S::kRing) mbar_wait(empty + 8 * slot(ahead), (ahead / S::kRing - 1) & 1);
+        issue(ahead);
+      }
     }
     mbar_wait(full + 8 * slot(j), (j / S::kRing) & 1);
     __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
@@ -329,6 +360,13 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
     wgmma_commit();
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(empty + 8 * slot(j));  // this stage's slot can be refilled
+    if (kRefillAfter) {
+      const int ahead = j + S::kRing;  // this stage's slot, once every warp is done with it
+      if (tid == lead && ahead < mine) {
+        mbar_wait(empty + 8 * slot(ahead), (ahead / S::kRing - 1) & 1);
+        issue(ahead);
+      }
+    }
   }
   __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
   static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS, KS, BN>::kBytes, "the staging tile must fit in the pipeline's slots");
