@@ -27,11 +27,11 @@ namespace qoq::gemm {
 // KS = 2 (kernel id kWgmmaK2, WGS = 1): four warpgroups share one 128-row tile. The tile's
 // stages are split in two halves, warpgroups of half q taking stages q, q + 2, q + 4, ...;
 // each half has its own half of the slots (a ring of kStages / 2, refilled by its own first
-// thread after its own stage, kRefillAfter), so the halves run as independent pipelines. And each half's rows are split by m16
-// block (BS = 2, kBS): warpgroup (q, b) multiplies only block b (rows 32w + 16b .. + 15 of
-// its warps' row tiles) - one m64 wgmma per k-tile, half of each lane's fragment, 64
-// accumulator registers - and both block warpgroups of a half read its slots (`empty` counts
-// their 8 warps). The four partial tiles meet once, in shared memory, before the epilogue.
+// thread after that thread's own stage, a whole ring ahead: kRefillAfter), so the halves run
+// as independent pipelines. And each half's rows are split by m16 block (BS = 2, kBS):
+// warpgroup (q, b) multiplies only block b (rows 32w + 16b .. + 15 of its warps' row tiles) -
+// one m64 wgmma per k-tile, half of each lane's fragment, 64 accumulator registers - and both
+// block warpgroups of a half read its slots (`empty` counts their 8 warps). The four partial tiles meet once, in shared memory, before the epilogue.
 // Why: with one warpgroup a stage costs ~0.72 us against 0.26 us of tensor-core work (a
 // latency chain: wait for the slot, fragments, dequantization, 8 wgmmas, their retirement),
 // and at M ~ 256 there are too few 128 x 128 tiles to give every SM two CTAs (splitting K
