@@ -281,7 +281,17 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
   // M = 1024 on 14336 x 4096), while the forms with one pipeline per CTA (six slots) lose
   // 2-4% to the lead warp waiting for the slowest one after each stage.
   constexpr bool kRefillAfter = KS == 2;
-  const int filled = min(kRefillAfter ? S::kRing : S::kRing - 1, mine);
+  constexpr int kAhead = kRefillAfter ? S::kRing : S::kRing - 1;  // how far ahead a refill goes
+  const int filled = min(kAhead, mine);
+  // The lead thread's refill at stage j: stage j + kAhead, into the slot of stage j + kAhead -
+  // kRing (j - 1, or kRefillAfter j itself) once every warp of the pipeline has released it.
+  auto refill = [&](int j) {
+    const int ahead = j + kAhead;
+    if (tid == lead && ahead < mine) {
+      if (ahead >= S::kRing) mbar_wait(empty + 8 * slot(ahead), (ahead / S::kRing - 1) & 1);
+      issue(ahead);
+    }
+  };
   if (tid == lead && filled > 0) issue_static(0);
   pdl_wait();  // the previous kernel (which may write our activations) has finished
 
@@ -298,13 +308,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
     }
   const int rt = warp % S::kRT;  // this warp's row tile in the CTA (warp w of warpgroup q: 4q + w; KS = 2: w)
   for (int j = 0; j < mine; ++j) {
-    if (!kRefillAfter) {
-      const int ahead = j + S::kRing - 1;  // refill the slot of stage j-1, released at the end of iteration j-1
-      if (tid == lead && ahead < mine) {
-        if (ahead >= S::kRing) mbar_wait(empty + 8 * slot(ahead), (ahead / S::kRing - 1) & 1);
-        issue(ahead);
-      }
-    }
+    if (!kRefillAfter) refill(j);  // the slot of stage j - 1, released at the end of iteration j - 1
     mbar_wait(full + 8 * slot(j), (j / S::kRing) & 1);
     __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
 
@@ -360,13 +364,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
     wgmma_commit();
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(empty + 8 * slot(j));  // this stage's slot can be refilled
-    if (kRefillAfter) {
-      const int ahead = j + S::kRing;  // this stage's slot, once every warp is done with it
-      if (tid == lead && ahead < mine) {
-        mbar_wait(empty + 8 * slot(ahead), (ahead / S::kRing - 1) & 1);
-        issue(ahead);
-      }
-    }
+    if (kRefillAfter) refill(j);  // this stage's slot, once every warp is done with it
   }
   __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
   static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS, KS, BN>::kBytes, "the staging tile must fit in the pipeline's slots");

@@ -229,9 +229,10 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
     halves of warpgroups taking alternate stages, one warpgroup per m16 block in each) with 128
     or 64 tokens, and 1..8 K splits (whole pipeline stages): the least time in a model fitted
     to the measurements (_WGMMA_*: waves x (fixed + stages a warpgroup walks x cost per stage)
-    + cost per extra split, growing with the output). On its sweep (20 choices x 14 cases, M = 64..512 on five
-    shapes) it picks the fastest in all 14: the 64-token K2 form at M = 64 (1.14-1.27x the
-    128-token forms) and at M = 128 on 4096 x 4096, the 128-token forms from M = 256.
+    + cost per extra split, growing with the output). On its sweep (20 choices x 14 cases,
+    M = 64..512 on five shapes) it picks the fastest in all 14: the 64-token K2 form at M = 64
+    (1.14-1.27x the 128-token forms) and at M = 128 on 4096 x 4096, the 128-token forms from
+    M = 256.
     """
     nb4_on_wgmma = (hopper and weight_bits == 4 and stream_tile(m) == 4
                     and n_tiles * k_tiles * 512 >= _WGMMA_NB4_MIN_BYTES)  # 512 B of W4 codes a tile
