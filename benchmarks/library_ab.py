@@ -6,8 +6,9 @@ A change to the kernels is kept or dropped by this A/B, not by comparing tables 
 different machine sessions (clocks and neighbours differ by a few percent between them).
 BASELINE is a libqoqkernels.so built from other sources (e.g. the last commit's, carried to the
 GPU machine); the candidate defaults to the library of this checkout. Cases:
-  * the W4A8 GEMM (both kinds) under the plan of this checkout, M in --ms on the four small
-    shapes of benchmarks/gemm.py; a plan whose tile or kernel the baseline lacks fails there;
+  * the W4A8 GEMM (both kinds; --w8a8: and the W8A8 GEMM) under the plan of this checkout, M in
+    --ms on the four small shapes of benchmarks/gemm.py; a plan whose tile or kernel the
+    baseline lacks fails there;
   * the fused sparse-dense GEMM (per group) at 1% uniform outliers, M in {8, 16}, on the six
     shapes of benchmarks/sparse_dense.py (--no-fused skips them; --no-gemm the dense cases).
 Both libraries run with their own launch settings and defaults only if at least one of them was
@@ -59,11 +60,20 @@ def report(group: str, label: str, times: dict, bf16: float, rows: list[dict], *
           f" | candidate {times['candidate']:7.2f} ({bf16 / times['candidate']:.2f}x) | {ratio:.3f}", flush=True)
 
 
-def gemm_cases(g, ms, paths, rows) -> None:
+def w8_operands(n, k, g):
+    """Random W8A8 operands (as benchmarks/gemm.py's): INT8 weights in tiles, fp16 row scales."""
+    return (torch.randint(-127, 128, (n // 32, k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
+            (torch.rand(n, device="cuda", generator=g) * 1e-3).half())
+
+
+def gemm_cases(g, ms, paths, rows, w8a8: bool = False) -> None:
     op = w4_ops()
+    if w8a8:  # called as the W4 ops are: (x_q, x_scale, x_rowsum, weights..., N); W8A8 takes no row sums
+        op["w8a8"] = lambda x_q, x_scale, x_rowsum, *w: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w)
     for n, k, m, acts, bf16, plan in small_m_cases(g, ms):
         for kind in op:
-            weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
+            make, nbytes = (w8_operands, n * k) if kind == "w8a8" else (lambda n, k, g, kind=kind: w4_operands(n, k, kind, g), n * k // 2)
+            weights = [make(n, k, g) for _ in range(copies_for(nbytes, m))]
             times = ab([lambda w=w: op[kind](*acts, *w, n) for w in weights], paths)
             report("gemm", f"{kind} M={m:<2d} {n}x{k} {plan.name()}", times, bf16, rows,
                    kind=kind, M=m, N=n, K=k, plan=plan.name())
@@ -98,6 +108,7 @@ def main() -> None:
     ap.add_argument("--fused-ms", default="8,16", help="fused sparse-dense token counts (default 8,16)")
     ap.add_argument("--no-fused", action="store_true", help="skip the fused sparse-dense cases")
     ap.add_argument("--no-gemm", action="store_true", help="skip the dense GEMM cases")
+    ap.add_argument("--w8a8", action="store_true", help="time the W8A8 GEMM too (its plan may differ from the printed W4 one)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -107,7 +118,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []
     if not args.no_gemm:
-        gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows)
+        gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows, args.w8a8)
     if not args.no_fused:
         fused_cases(g, [int(m) for m in args.fused_ms.split(",")], paths, rows)
     print("\ngeometric mean of baseline / candidate (> 1: the candidate is faster)")

@@ -761,11 +761,15 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     // the fragment loads touch few rows, it is 0-7% slower, hence stage_activations' M >= 8).
     // Through L1 (.ca): the warps of the CTA's other row tile copy the same bytes. Tokens
     // past M and k-tiles past the split are zero-filled, not read.
-    auto stage = [&](int kt0) {
-      static_assert((8 * NB * 2 * U) % kWarp == 0, "whole pieces per lane");
+    // HALF = 0 or 1: only that half of the chunk's k-tiles (the dense kernel's ring, below);
+    // -1: all of them.
+    auto stage = [&](int kt0, auto half) {
+      constexpr int H = decltype(half)::value, kParts = H < 0 ? 2 * U : U;  // 16-byte pieces per row
+      static_assert((8 * NB * kParts) % kWarp == 0, "whole pieces per lane");
 #pragma unroll
-      for (int i = 0; i < 8 * NB * 2 * U / kWarp; ++i) {
-        const int piece = th.lane + kWarp * i, row = piece / (2 * U), part = piece % (2 * U), kt = kt0 + part / 2;
+      for (int i = 0; i < 8 * NB * kParts / kWarp; ++i) {
+        const int piece = th.lane + kWarp * i, row = piece / kParts, part = (H < 0 ? 0 : H * U) + piece % kParts;
+        const int kt = kt0 + part / 2;
         const int8_t* src = p.x + static_cast<size_t>(min(th.m0 + row, p.M - 1)) * p.Kp + min(kt, th.kt_end - 1) * 32 + 16 * (part & 1);
         cp_async_16_ca(smem_u32(act_tile) + row * kActPitch<U> + 16 * part, src, kt < th.kt_end && th.m0 + row < p.M);
       }
@@ -777,15 +781,19 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
       else return c.b[u][nb][h];
     };
 
-    // The dense products of one loaded chunk.
-    auto compute = [&](const Chunk& c, int kt0) {
-      constexpr uint32_t kOnes[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
+    // The dense products of one loaded chunk (HALF = 0 or 1: that half of its k-tiles, whole
+    // folds: F >= 2 splits the folds, F = 1 the fold's k-tiles; -1: all of them).
+    auto compute = [&](const Chunk& c, int kt0, auto half) {
+      [[maybe_unused]] constexpr uint32_t kOnes[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
+      constexpr int H = decltype(half)::value, kInner = kProgressive ? GKc : U;
+      constexpr int f_lo = H < 0 || F == 1 ? 0 : H * F / 2, f_hi = H < 0 || F == 1 ? F : (H + 1) * F / 2;
+      constexpr int j_lo = H < 0 || F > 1 ? 0 : H * kInner / 2, j_hi = H < 0 || F > 1 ? kInner : (H + 1) * kInner / 2;
 #pragma unroll
-      for (int f = 0; f < F; ++f) {
-        int part[2][NB][4] = {}, xsum[NB][4] = {};  // kFold: this fold's P and X
+      for (int f = f_lo; f < f_hi; ++f) {
+        [[maybe_unused]] int part[2][NB][4] = {}, xsum[NB][4] = {};  // kFold: this fold's P and X
 #pragma unroll
-        for (int j = 0; j < (kProgressive ? GKc : U); ++j) {
-          const int u = f * (kProgressive ? GKc : U) + j;
+        for (int j = j_lo; j < j_hi; ++j) {
+          const int u = f * kInner + j;
           if (kt0 + u < th.kt_end) {
             uint32_t a[2][4];
             if constexpr (K == Kind::kInt8Channel) w8_to_a(c.w[u][0], c.w[u][kBytes / 16 - 1], a);
@@ -829,12 +837,52 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     if (first < kt_end) load_chunk(c, first, std::true_type{});
     pdl_wait();
     trace_stamp(p, kWaited);
+    // kRing, the dense kernel with staged activations and NB <= 2: the activation buffer is a
+    // ring of two halves (the chunk's first and last U / 2 k-tiles). Each half of the next
+    // chunk is copied as soon as this chunk's products of that half are done, so that its L2
+    // round trip overlaps the other half's products instead of following them at the top of
+    // the next chunk (ncu, 8192^2 at M = 16: ~8% of the stall samples waited there). H200,
+    // benchmarks/library_ab.py, one process: 1.02x at M = 8, 1.03x at M = 16 (four shapes, per
+    // group and per channel); with NB = 4 (M = 32, split 4 ways on 4096^2) 0.96-0.98x, so not
+    // there. (The fused kernel reads the whole staged chunk after its products, for the
+    // outliers.) cp.async groups in flight, oldest first, at the top of a chunk: its halves 0
+    // and 1, then (kNextInSlot) the next chunk's weights.
+    constexpr bool kRing = STAGE && !OUTLIERS && NB <= 2;
+    if constexpr (kRing) {
+      if (first < kt_end) {
+        stage(first, std::integral_constant<int, 0>{});
+        stage(first, std::integral_constant<int, 1>{});
+      }
+    }
     ChunkOutliers<NB, CB> outliers;
     for (int kt0 = first; kt0 < kt_end; kt0 += step) {
       const bool has_next = kt0 + step < kt_end;
       // (OUTLIERS: loaded during the previous chunk; kNextInSlot: taken from the slot after it)
       if (!OUTLIERS && !kNextInSlot && kt0 != first) load_chunk(c, kt0, std::true_type{});
-      if constexpr (STAGE) stage(kt0);
+      if constexpr (kRing) {
+        if (kNextInSlot && has_next) copy_next(kt0 + step);
+        const bool slot = kNextInSlot && has_next;  // one more group in flight
+        if (slot) cp_async_wait<2>(); else cp_async_wait<1>();  // half 0 has landed
+        __syncwarp();
+        compute(c, kt0, std::integral_constant<int, 0>{});
+        __syncwarp();  // every lane has read half 0
+        if (has_next) stage(kt0 + step, std::integral_constant<int, 0>{});
+        // Half 1 (behind it, still in flight: the slot if any, the next chunk's half 0).
+        if (slot) cp_async_wait<2>(); else if (has_next) cp_async_wait<1>(); else cp_async_wait_all();
+        __syncwarp();
+        compute(c, kt0, std::integral_constant<int, 1>{});
+        __syncwarp();  // every lane has read half 1
+        if (has_next) {
+          stage(kt0 + step, std::integral_constant<int, 1>{});
+          if constexpr (kNextInSlot) {
+            cp_async_wait<2>();  // the slot (the next chunk's two halves may stay in flight)
+            take_next(c);
+          }
+        }
+        if (kt0 == first) trace_stamp(p, kFirstChunk);
+        continue;
+      }
+      if constexpr (STAGE) stage(kt0, std::integral_constant<int, -1>{});
       else load_chunk(c, kt0, std::false_type{});
       // After the activations' copies, so that waiting for those does not wait for these.
       if constexpr (kNextInSlot) {
@@ -852,7 +900,7 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
         if (OUTLIERS || (kNextInSlot && has_next)) cp_async_wait<1>(); else cp_async_wait_all();
         __syncwarp();  // every lane's pieces have landed
       }
-      compute(c, kt0);
+      compute(c, kt0, std::integral_constant<int, -1>{});
       if constexpr (kNextInSlot) {
         if (has_next) {
           cp_async_wait_all();
