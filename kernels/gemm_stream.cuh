@@ -843,11 +843,12 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     // round trip overlaps the other half's products instead of following them at the top of
     // the next chunk (ncu, 8192^2 at M = 16: ~8% of the stall samples waited there). H200,
     // benchmarks/library_ab.py, one process: 1.02x at M = 8, 1.03x at M = 16 (four shapes, per
-    // group and per channel); with NB = 4 (M = 32, split 4 ways on 4096^2) 0.96-0.98x, so not
-    // there. (The fused kernel reads the whole staged chunk after its products, for the
-    // outliers.) cp.async groups in flight, oldest first, at the top of a chunk: its halves 0
-    // and 1, then (kNextInSlot) the next chunk's weights.
-    constexpr bool kRing = STAGE && !OUTLIERS && NB <= 2;
+    // group and per channel); with NB = 4 (M = 32, split 4 ways on 4096^2) 0.96-0.98x, and for
+    // W8A8 (32-byte lanes, no slot) 0.985x at M = 8, so W4 at NB <= 2 only. (The fused kernel
+    // reads the whole staged chunk after its products, for the outliers.) cp.async groups in
+    // flight, oldest first, at the top of a chunk: its halves 0 and 1, then (kNextInSlot) the
+    // next chunk's weights.
+    constexpr bool kRing = STAGE && !OUTLIERS && NB <= 2 && K != Kind::kInt8Channel;
     if constexpr (kRing) {
       if (first < kt_end) {
         stage(first, std::integral_constant<int, 0>{});
