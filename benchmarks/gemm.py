@@ -113,6 +113,12 @@ def w4_operands(n, k, kind, g, group=GROUP):
     return qweight, scale, rand_u8((n,), 0, 15, g)
 
 
+def w8_operands(n, k, g):
+    """Random W8A8 operands: INT8 weights in the packed tile order, fp16 row scales."""
+    return (torch.randint(-127, 128, (n // 32, k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
+            (torch.rand(n, device="cuda", generator=g) * 1e-3).half())
+
+
 def measure_shape(n: int, k: int, m: int, g) -> dict:
     row = {"M": m, "N": n, "K": k}
     w4_bytes = n * k // 2
@@ -130,8 +136,7 @@ def measure_shape(n: int, k: int, m: int, g) -> dict:
     del pc
 
     copies8 = copies_for(n * k, m)
-    w8 = [(torch.randint(-127, 128, (n // 32, k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
-           (torch.rand(n, device="cuda", generator=g) * 1e-3).half()) for _ in range(copies8)]
+    w8 = [w8_operands(n, k, g) for _ in range(copies8)]
     row["w8a8_us"] = time_calls([lambda w=w: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w, n) for w in w8])
     # cuBLAS INT8 on the same bytes: _int_mm wants the weight column-major ([K, N] view of [N, K]).
     m8 = max(m, 17)

@@ -31,7 +31,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gemm import copies_for, small_m_cases, time_calls, w4_operands, w4_ops  # noqa: E402
+from gemm import copies_for, small_m_cases, time_calls, w4_operands, w4_ops, w8_operands  # noqa: E402
 from sparse_dense import SHAPES as SPARSE_SHAPES  # noqa: E402
 from sparse_dense import fused_op, make_outliers  # noqa: E402
 
@@ -60,20 +60,15 @@ def report(group: str, label: str, times: dict, bf16: float, rows: list[dict], *
           f" | candidate {times['candidate']:7.2f} ({bf16 / times['candidate']:.2f}x) | {ratio:.3f}", flush=True)
 
 
-def w8_operands(n, k, g):
-    """Random W8A8 operands (as benchmarks/gemm.py's): INT8 weights in tiles, fp16 row scales."""
-    return (torch.randint(-127, 128, (n // 32, k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
-            (torch.rand(n, device="cuda", generator=g) * 1e-3).half())
-
-
 def gemm_cases(g, ms, paths, rows, w8a8: bool = False) -> None:
     op = w4_ops()
     if w8a8:  # called as the W4 ops are: (x_q, x_scale, x_rowsum, weights..., N); W8A8 takes no row sums
         op["w8a8"] = lambda x_q, x_scale, x_rowsum, *w: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w)
     for n, k, m, acts, bf16, plan in small_m_cases(g, ms):
         for kind in op:
-            make, nbytes = (w8_operands, n * k) if kind == "w8a8" else (lambda n, k, g, kind=kind: w4_operands(n, k, kind, g), n * k // 2)
-            weights = [make(n, k, g) for _ in range(copies_for(nbytes, m))]
+            w8 = kind == "w8a8"
+            weights = [w8_operands(n, k, g) if w8 else w4_operands(n, k, kind, g)
+                       for _ in range(copies_for(n * k if w8 else n * k // 2, m))]
             times = ab([lambda w=w: op[kind](*acts, *w, n) for w in weights], paths)
             report("gemm", f"{kind} M={m:<2d} {n}x{k} {plan.name()}", times, bf16, rows,
                    kind=kind, M=m, N=n, K=k, plan=plan.name())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from gemm import per_group, w4_operands
+from gemm import per_group, w4_operands, w8_operands
 
 from qoqtool.runtime import cuda_ops
 
@@ -36,8 +36,7 @@ def main() -> None:
     w = w4_operands(a.n, a.k, "per_group", g)
     wc = w4_operands(a.n, a.k, "per_channel", g)
     x_rowsum = x_q.sum(1, dtype=torch.int32)
-    w8 = (torch.randint(-127, 128, (a.n // 32, a.k // 32, 32, 32), dtype=torch.int8, device="cuda", generator=g),
-          (torch.rand(a.n, device="cuda", generator=g) * 1e-3).half())
+    w8 = w8_operands(a.n, a.k, g)
     if a.outliers is not None:
         from sparse_dense import make_outliers
 

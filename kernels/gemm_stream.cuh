@@ -146,10 +146,15 @@ struct ChunkOutliers {
       total += __shfl_sync(0xffffffffu, lookup.y, b);
       end[b] = total;
     }
+    copy_entries(p, entries, 0, lane);
+  }
+  // Entries f0 .. f0 + kEntryGroups * 32 - 1 of the chunk (those that exist) into the entry
+  // buffer, by cp.async as one commit group.
+  __device__ __forceinline__ void copy_entries(const Params& p, uint32_t entries, int f0, int lane) const {
 #pragma unroll
     for (int j = 0; j < kEntryGroups; ++j) {
-      const int f = lane + kWarp * j;
-      if (f < total) cp_async_16(entries + 16 * f, p.tc_entries + at(f), true);
+      const int f = f0 + lane + kWarp * j;
+      if (f < total) cp_async_16(entries + 16 * (f - f0), p.tc_entries + at(f), true);
     }
     cp_async_commit();
   }
@@ -192,12 +197,7 @@ struct ChunkOutliers {
       // Without: 1.055x at M = 8, 1.039x at M = 16 (H200, 1% uniform, six shapes).
       if (f0 % kBuffered == 0 && f0 > 0) {
         __syncwarp();  // every lane has read its entry of the buffer's last group
-#pragma unroll
-        for (int j = 0; j < kEntryGroups; ++j) {
-          const int f = f0 + lane + kWarp * j;
-          if (f < total) cp_async_16(entries + 16 * (f - f0), p.tc_entries + at(f), true);
-        }
-        cp_async_commit();
+        copy_entries(p, entries, f0, lane);
         cp_async_wait_all();
         __syncwarp();
       }
@@ -846,9 +846,10 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     // group and per channel); with NB = 4 (M = 32, split 4 ways on 4096^2) 0.96-0.98x, and for
     // W8A8 (32-byte lanes, no slot) 0.985x at M = 8, so W4 at NB <= 2 only. (The fused kernel
     // reads the whole staged chunk after its products, for the outliers.) cp.async groups in
-    // flight, oldest first, at the top of a chunk: its halves 0 and 1, then (kNextInSlot) the
-    // next chunk's weights.
+    // flight, oldest first, at the top of a chunk: its halves 0 and 1, then the next chunk's
+    // weights in the slot (every ring kernel has one).
     constexpr bool kRing = STAGE && !OUTLIERS && NB <= 2 && K != Kind::kInt8Channel;
+    static_assert(!kRing || kNextInSlot, "the ring's waits count the slot's group");
     if constexpr (kRing) {
       if (first < kt_end) {
         stage(first, std::integral_constant<int, 0>{});
@@ -861,24 +862,21 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
       // (OUTLIERS: loaded during the previous chunk; kNextInSlot: taken from the slot after it)
       if (!OUTLIERS && !kNextInSlot && kt0 != first) load_chunk(c, kt0, std::true_type{});
       if constexpr (kRing) {
-        if (kNextInSlot && has_next) copy_next(kt0 + step);
-        const bool slot = kNextInSlot && has_next;  // one more group in flight
-        if (slot) cp_async_wait<2>(); else cp_async_wait<1>();  // half 0 has landed
+        if (has_next) copy_next(kt0 + step);
+        if (has_next) cp_async_wait<2>(); else cp_async_wait<1>();  // half 0 has landed
         __syncwarp();
         compute(c, kt0, std::integral_constant<int, 0>{});
         __syncwarp();  // every lane has read half 0
         if (has_next) stage(kt0 + step, std::integral_constant<int, 0>{});
-        // Half 1 (behind it, still in flight: the slot if any, the next chunk's half 0).
-        if (slot) cp_async_wait<2>(); else if (has_next) cp_async_wait<1>(); else cp_async_wait_all();
+        // Half 1 (behind it, still in flight: the slot and the next chunk's half 0, if any).
+        if (has_next) cp_async_wait<2>(); else cp_async_wait_all();
         __syncwarp();
         compute(c, kt0, std::integral_constant<int, 1>{});
         __syncwarp();  // every lane has read half 1
         if (has_next) {
           stage(kt0 + step, std::integral_constant<int, 1>{});
-          if constexpr (kNextInSlot) {
-            cp_async_wait<2>();  // the slot (the next chunk's two halves may stay in flight)
-            take_next(c);
-          }
+          cp_async_wait<2>();  // the slot (the next chunk's two halves may stay in flight)
+          take_next(c);
         }
         if (kt0 == first) trace_stamp(p, kFirstChunk);
         continue;
