@@ -9,8 +9,9 @@ GPU machine); the candidate defaults to the library of this checkout. Cases:
   * the W4A8 GEMM (both kinds; --w8a8: and the W8A8 GEMM) under the plan of this checkout, M in
     --ms on the four small shapes of benchmarks/gemm.py; a plan whose tile or kernel the
     baseline lacks fails there;
-  * the fused sparse-dense GEMM (per group) at 1% uniform outliers, M in {8, 16}, on the six
-    shapes of benchmarks/sparse_dense.py (--no-fused skips them; --no-gemm the dense cases).
+  * the fused sparse-dense GEMM (per group) at 1% outliers, uniform (--patterns: and/or
+    column-clustered), M in {8, 16}, on the six shapes of benchmarks/sparse_dense.py
+    (--no-fused skips them; --no-gemm the dense cases).
 Both libraries run with their own launch settings and defaults only if at least one of them was
 built with -fno-gnu-unique (kernels/build.py, since 2026-12-01 13:00 UTC): before,
 the settings were inline-function statics unified across the process, so the candidate ran
@@ -33,7 +34,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gemm import copies_for, small_m_cases, time_calls, w4_operands, w4_ops, w8_operands  # noqa: E402
 from sparse_dense import SHAPES as SPARSE_SHAPES  # noqa: E402
-from sparse_dense import fused_op, make_outliers  # noqa: E402
+from sparse_dense import PATTERNS, fused_op, make_outliers  # noqa: E402
 
 from qoqtool.runtime import cuda_ops  # noqa: E402
 
@@ -76,12 +77,12 @@ def gemm_cases(g, ms, paths, rows, w8a8: bool = False) -> None:
             torch.cuda.empty_cache()
 
 
-def fused_cases(g, ms, paths, rows) -> None:
-    for n, k in SPARSE_SHAPES:
+def fused_cases(g, ms, patterns, paths, rows) -> None:
+    for (n, k), pattern in ((shape, pattern) for pattern in patterns for shape in SPARSE_SHAPES):
         op = fused_op("per_group", n)
         copies = copies_for(n * k // 2, min(ms))
         weights = [w4_operands(n, k, "per_group", g) for _ in range(copies)]
-        sections = [make_outliers(n, k, 0.01, "uniform", g)[0] for _ in range(copies)]
+        sections = [make_outliers(n, k, 0.01, pattern, g)[0] for _ in range(copies)]
         for m in ms:
             x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
             x_scale = (torch.rand(m, device="cuda", generator=g) * 0.02 + 0.01).half()
@@ -90,7 +91,7 @@ def fused_cases(g, ms, paths, rows) -> None:
             bf16 = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
             del wb
             times = ab([lambda w=w, s=s: op(x_q, x_scale, None, w, s) for w, s in zip(weights, sections)], paths)
-            report("fused", f"1% M={m:<2d} {n}x{k}", times, bf16, rows, M=m, N=n, K=k)
+            report(f"fused-{pattern[:5]}", f"1% M={m:<2d} {n}x{k}", times, bf16, rows, M=m, N=n, K=k, pattern=pattern)
         del weights, sections
         torch.cuda.empty_cache()
 
@@ -102,10 +103,14 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,16,32", help="GEMM token counts (default 1,8,16,32)")
     ap.add_argument("--fused-ms", default="8,16", help="fused sparse-dense token counts (default 8,16)")
     ap.add_argument("--no-fused", action="store_true", help="skip the fused sparse-dense cases")
+    ap.add_argument("--patterns", default="uniform", help="fused outlier patterns: uniform and/or clustered (default uniform)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the dense GEMM cases")
     ap.add_argument("--w8a8", action="store_true", help="time the W8A8 GEMM too (its plan may differ from the printed W4 one)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
+    patterns = args.patterns.split(",")
+    if not set(patterns) <= set(PATTERNS):
+        ap.error(f"--patterns: {args.patterns!r}; choose from {','.join(PATTERNS)}")
     if not torch.cuda.is_available():
         sys.exit("library_ab.py needs a CUDA GPU")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -115,14 +120,14 @@ def main() -> None:
     if not args.no_gemm:
         gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows, args.w8a8)
     if not args.no_fused:
-        fused_cases(g, [int(m) for m in args.fused_ms.split(",")], paths, rows)
+        fused_cases(g, [int(m) for m in args.fused_ms.split(",")], patterns, paths, rows)
     print("\ngeometric mean of baseline / candidate (> 1: the candidate is faster)")
     groups = {}
     for r in rows:
         groups.setdefault((r["group"], r.get("kind", "per_group"), r["M"]), []).append(r["baseline_over_candidate"])
     for (group, kind, m), ratios in groups.items():
         mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-        print(f"  {group:6s} {kind:11s} M={m:<2d}: {mean:.3f}  "
+        print(f"  {group:11s} {kind:11s} M={m:<2d}: {mean:.3f}  "
               f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} shapes)")
     if args.json:
         with open(args.json, "w") as f:
