@@ -25,6 +25,7 @@ candidate is faster), with the geometric mean per group of cases.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -78,7 +79,7 @@ def gemm_cases(g, ms, paths, rows, w8a8: bool = False) -> None:
 
 
 def fused_cases(g, ms, patterns, paths, rows) -> None:
-    for (n, k), pattern in ((shape, pattern) for pattern in patterns for shape in SPARSE_SHAPES):
+    for pattern, (n, k) in itertools.product(patterns, SPARSE_SHAPES):
         op = fused_op("per_group", n)
         copies = copies_for(n * k // 2, min(ms))
         weights = [w4_operands(n, k, "per_group", g) for _ in range(copies)]
