@@ -5,6 +5,7 @@
     python benchmarks/gemm.py --explore-wgmma [--json PATH]            wgmma choices, M = 64..512
     python benchmarks/gemm.py --stage-ab [M,M,..] [--json PATH]        stream activations: global vs staged
     python benchmarks/gemm.py --explore-wide [--json PATH]             16-warp stream CTAs vs the plan
+    python benchmarks/gemm.py --explore-plans [N:K,...] [--json PATH]  every stream plan vs the plan
 
 For M in {1, 16, 64, 256, 1024, 4096, 8192} x (N, K) in the five shapes of issue 4:
   w4a8 per-group (QoQ progressive, g128), w4a8 per-channel, w8a8 (ours),
@@ -194,11 +195,11 @@ def w4_ops() -> dict:
     return {"per_group": per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}
 
 
-def small_m_cases(g, ms=SMALL_MS):
-    """For the four small shapes x `ms`: (N, K, M, the activation operands (x_q, x_scale, x_rowsum),
-    cuBLAS bf16 us in this run, the plan's choice)."""
+def small_m_cases(g, ms=SMALL_MS, shapes=SMALL_SHAPES):
+    """For `shapes` (default the four small ones) x `ms`: (N, K, M, the activation operands
+    (x_q, x_scale, x_rowsum), cuBLAS bf16 us in this run, the plan's choice)."""
     sms, hopper = cuda_ops._device_info(torch.cuda.current_device())
-    for n, k in SMALL_SHAPES:
+    for n, k in shapes:
         for m in ms:
             x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
             x_scale = (torch.rand(m, device="cuda", generator=g) + 0.5).half()
@@ -271,30 +272,46 @@ def mode_ab(g, modes: dict, ms=SMALL_MS, group: int = GROUP) -> tuple[list[dict]
     return rows, table
 
 
-def explore_wide(g, ms=(1, 8, 16)) -> tuple[list[dict], list[str]]:
-    """The stream kernel's 16-warp CTA shapes (1 x 16 and 2 x 8 row tiles x k-slices, one CTA
-    per SM) with 1, 2 or 4 K splits against the plan (8-warp CTAs, two per SM, its splits),
-    for M in `ms` on four shapes, both W4 kinds; cuBLAS bf16 in the same run."""
+# The shapes whose row tiles make no whole wave of the stream kernel's CTAs on 132 SMs: the
+# other Llama-2-7B MLP shapes and the Qwen2.5-14B shapes of benchmarks/sparse_dense.py.
+PLAN_SHAPES = [(11008, 4096), (4096, 11008), (14336, 4096), (5120, 5120), (13824, 5120), (5120, 13824)]
+
+
+def every_stream_plan(tile: int) -> list:
+    """The 8-warp CTAs with 1-8 K splits and the 16-warp shapes with 1-4, `tile` token blocks."""
+    plans = [cuda_ops.Plan(cuda_ops.STREAM, tile, s) for s in (1, 2, 3, 4, 6, 8)]
+    return plans + wide_stream_plans(tile, (1, 2, 3, 4))
+
+
+def wide_stream_plans(tile: int, splits=(1, 2, 4)) -> list:
+    """The 16-warp CTA shapes (1 x 16 and 2 x 8 row tiles x k-slices, one CTA per SM)."""
+    return [cuda_ops.Plan(kernel, tile, s) for kernel in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for s in splits]
+
+
+def explore_plans(g, shapes=PLAN_SHAPES, ms=(1, 8, 16), candidates=every_stream_plan) -> tuple[list[dict], list[str]]:
+    """The stream-kernel plans `candidates(tile)` (default every one) against the plan's choice,
+    for M in `ms` on `shapes`, both W4 kinds; cuBLAS bf16 in the same run. Where the plan is not
+    the best, by how much."""
     op = w4_ops()
-    rows, table = [], ["us (x bf16): the plan; the best 16-warp shape [kernel, splits]",
-                       f"{'kind':11s} {'M':>2} {'N x K':>11} | {'bf16':>6} | {'plan':>26} | {'best 16-warp':>30} | plan / best"]
-    for n, k, m, acts, bf16, auto in small_m_cases(g, ms):
+    rows, table = [], ["us (x bf16): the plan; the best of the other plans",
+                       f"{'kind':11s} {'M':>2} {'N x K':>11} | {'bf16':>6} | {'plan':>30} | {'best':>30} | plan / best"]
+    for n, k, m, acts, bf16, auto in small_m_cases(g, ms, shapes):
+        plans = candidates(cuda_ops.stream_tile(m))
         for kind in op:
             weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
             calls = [lambda w=w: op[kind](*acts, *w, n) for w in weights]
             plan_us = time_calls(calls)
-            best = None
-            for kernel in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8):
-                for splits in (1, 2, 4):
-                    p = cuda_ops.Plan(kernel, cuda_ops.stream_tile(m), splits)
-                    us = time_with_plan(p, calls)
-                    rows.append({"kind": kind, "M": m, "N": n, "K": k, "plan": p.name(), "us": us, "bf16_us": bf16})
-                    if best is None or us < best[0]:
-                        best = (us, p.name())
+            best = (plan_us, auto.name())
+            for p in plans:
+                if p == auto:
+                    continue
+                us = time_with_plan(p, calls)
+                rows.append({"kind": kind, "M": m, "N": n, "K": k, "plan": p.name(), "us": us, "bf16_us": bf16})
+                best = min(best, (us, p.name()))
             rows.append({"kind": kind, "M": m, "N": n, "K": k, "plan": auto.name(), "us": plan_us, "bf16_us": bf16,
                          "auto": True})
-            table.append(f"{kind:11s} {m:2d} {n:>5}x{k:<5} | {bf16:6.2f} | {auto.name():>18} {plan_us:6.2f} | "
-                         f"{best[1]:>22} {best[0]:6.2f} | {plan_us / best[0]:.3f}")
+            table.append(f"{kind:11s} {m:2d} {n:>5}x{k:<5} | {bf16:6.2f} | {auto.name():>22} {plan_us:6.2f} ({bf16 / plan_us:.2f}x) | "
+                         f"{best[1]:>22} {best[0]:6.2f} ({bf16 / best[0]:.2f}x) | {plan_us / best[0]:.3f}")
             print(table[-1], flush=True)
             del weights, calls
             torch.cuda.empty_cache()
@@ -525,6 +542,9 @@ def main() -> None:
                          "every split count, for these M (default 1,8,16,32) on four shapes")
     ap.add_argument("--explore-wide", action="store_true",
                     help="only the stream kernel's 16-warp CTA shapes against the plan at M in {1, 8, 16}")
+    ap.add_argument("--explore-plans", nargs="?", const="", default=None, metavar="N:K,...",
+                    help="only every stream-kernel plan against the plan's choice at M in {1, 8, 16}, on shapes "
+                         "whose row tiles make no whole wave (or on these)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -548,8 +568,12 @@ def main() -> None:
                  "staged": lambda: cuda_ops.set_stage_activations(True)}
         rows, table = mode_ab(g, modes, [int(v) for v in args.stage_ab.split(",")])
         return finish(table, mode_ab=rows)
-    if args.explore_wide:
-        rows, table = explore_wide(g)
+    if args.explore_plans is not None:
+        shapes = [tuple(int(v) for v in c.split(":")) for c in args.explore_plans.split(",") if c]
+        rows, table = explore_plans(g, shapes or PLAN_SHAPES)
+        return finish(table, explore_plans=rows)
+    if args.explore_wide:  # the 16-warp shapes with 1, 2 or 4 splits against the plan
+        rows, table = explore_plans(g, SMALL_SHAPES, candidates=wide_stream_plans)
         return finish(table, explore_wide=rows)
     if args.explore_stream:
         ab = dependent_launch_ab(g) + [""] + decode_chain(g)

@@ -1,6 +1,6 @@
 """Fused sparse-dense W4A8 GEMM benchmark (issue 8, item 4, W4A8 part), one GPU.
 
-    python benchmarks/sparse_dense.py [--quick | --targets | --explore] [--kind per_group|per_channel] [--json PATH]
+    python benchmarks/sparse_dense.py [--quick | --targets | --explore | --explore-plans] [--kind per_group|per_channel] [--json PATH]
 
 For M in {1, 8, 16, 32, 64} x outlier densities {0, 0.5, 1, 2, 5} % x the six (N, K) shapes
 of Llama-3-8B and Qwen2.5-14B, with two outlier patterns (uniform; column-clustered: the
@@ -313,6 +313,44 @@ def explore(kind: str, g, rep_ms: int) -> list[dict]:
     return rows
 
 
+def explore_plans(kind: str, g, rep_ms: int) -> list[str]:
+    """--explore-plans: every stream plan (8-warp CTAs with 1-8 K splits, the 16-warp shapes with
+    1-4) for the fused kernel at the target points (six shapes, M = 8 and 16, 1% outliers of each
+    pattern), against the plan's choice; the dense kernel under its plan beside them."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = [f"{'M':>2} {'N x K':>11} {'pattern':9s} | {'dense':>6} | {'plan':>28} | {'best':>28} | plan / best"]
+    for n, k in SHAPES:
+        copies = copies_for(n * k // 2, 8)
+        weights = [w4_operands(n, k, kind, g) for _ in range(copies)]
+        dense, fused = dense_op(kind, n), fused_op(kind, n)
+        for m in (8, 16):
+            x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+            x_scale = (torch.rand(m, device="cuda", generator=g) * 0.02 + 0.01).half()
+            x_rowsum = x_q.sum(1, dtype=torch.int32)
+            dense_us, _ = time_calls([lambda w=w: dense(x_q, x_scale, x_rowsum, w) for w in weights], rep_ms)
+            tile = cuda_ops.stream_tile(m)
+            plans = [cuda_ops.Plan(cuda_ops.STREAM, tile, s) for s in (1, 2, 3, 4, 6, 8)]
+            plans += [cuda_ops.Plan(kernel, tile, s) for kernel in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for s in (1, 2, 3, 4)]
+            auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False, wide=True)
+            for pattern in PATTERNS:
+                secs = [make_outliers(n, k, 0.01, pattern, g)[0] for _ in range(copies)]
+                calls = [lambda w=w, s=s: fused(x_q, x_scale, x_rowsum, w, s) for w, s in zip(weights, secs)]
+                times = {}
+                for p in [auto] + [p for p in plans if p != auto]:
+                    cuda_ops.PLAN_OVERRIDE = p
+                    times[p.name()], _ = time_calls(calls, rep_ms)
+                cuda_ops.PLAN_OVERRIDE = None
+                best = min(times, key=times.get)
+                lines.append(f"{m:2d} {n:5d}x{k:<5d} {pattern:9s} | {dense_us:6.2f} | {auto.name():>22} {times[auto.name()]:6.2f}"
+                             f" ({times[auto.name()] / dense_us:.2f}) | {best:>22} {times[best]:6.2f} ({times[best] / dense_us:.2f})"
+                             f" | {times[auto.name()] / times[best]:.3f}")
+                print(lines[-1], flush=True)
+                del secs, calls
+        del weights
+        torch.cuda.empty_cache()
+    return lines
+
+
 def explore_summary(rows) -> list[str]:
     """Per (M, density, plan shape, staging): the geometric mean of fused / dense over the shapes
     where that choice exists, and how often it was the fastest fused choice."""
@@ -333,6 +371,9 @@ def main() -> None:
     ap.add_argument("--targets", action="store_true", help="the issue's target points only: 6 shapes, M in {8, 16}, 0 and 1%%")
     ap.add_argument("--explore", action="store_true",
                     help="the fused kernel's CTA shapes x activation staging at the target points (no unfused, no bf16)")
+    ap.add_argument("--explore-plans", action="store_true",
+                    help="every stream plan (CTA shape x K splits) for the fused kernel at the target points, against "
+                         "the plan's choice (no unfused, no bf16)")
     ap.add_argument("--kind", choices=["per_group", "per_channel", "w4a16"], default="per_group",
                     help="W4A8 progressive g128 or per-channel, or W4A16 with fp16 group-128 scales")
     ap.add_argument("--global-activations", action="store_true",
@@ -359,6 +400,15 @@ def main() -> None:
                 json.dump({"device": torch.cuda.get_device_name(), "kind": args.kind, "rows": rows, "summary": summary}, f,
                           indent=1)
         print("\n" + "\n".join(summary))
+        return
+    if args.explore_plans:
+        if args.kind == "w4a16":
+            sys.exit("--explore-plans times the W4A8 fused kernel: --kind per_group or per_channel")
+        lines = explore_plans(args.kind, g, 25)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "kind": args.kind, "table": lines}, f, indent=1)
+        print("\n" + "\n".join(lines))
         return
     if args.quick:
         shapes, ms, densities, patterns, rep_ms = SHAPES[:2], [1, 16], [0.0, 0.01], ["uniform"], 40

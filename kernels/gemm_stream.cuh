@@ -473,11 +473,39 @@ struct RowParams {
   __device__ __forceinline__ int zero_of(int r) const { return static_cast<int>((zero >> (8 * r)) & 0xFFu); }
 };
 
+// The epilogue's per-token inputs of one thread: the token scale (and, per channel, the row sum
+// of the codes) of the token its output vector belongs to. Unlike the row scales these are
+// written by the kernel before this one (the quantize kernel), so they can be read only after
+// the dependent-launch wait - but then at once, not after the main loop and the reductions,
+// where their L2 round trip was the epilogue's critical path (the timeline of 8192^2 at M = 1:
+// 0.6 us from the reduced tile to the last store). Early only where a thread owns at most one
+// vector (2 NB <= WK: every CTA shape at M <= 16); otherwise read in place.
+template <Kind K, int NB, int RT, int WK>
+struct TokenParams {
+  using T = StreamStaging<NB, RT>;
+  static constexpr bool kEarly = T::kVectors <= RT * WK * kWarp;
+  float sx = 0.f;
+  int rowsum = 0;
+
+  __device__ __forceinline__ void load(const Params& p) {
+    if constexpr (kEarly) {
+      const int m = blockIdx.y * 8 * NB + static_cast<int>(threadIdx.x) / (T::kRows / 4);
+      if (static_cast<int>(threadIdx.x) < T::kVectors && m < p.M) {
+        sx = __half2float(p.x_scale[m]);
+        if constexpr (K == Kind::kUInt4Channel) rowsum = p.x_rowsum[m];
+      }
+    }
+  }
+  __device__ __forceinline__ float scale_of(const Params& p, int m) const { return kEarly ? sx : __half2float(p.x_scale[m]); }
+  __device__ __forceinline__ int rowsum_of(const Params& p, int m) const { return kEarly ? rowsum : p.x_rowsum[m]; }
+};
+
 // The epilogue of a staged tile (reduce_k_slices_to_tile; OUTLIERS: the fp32 outlier sums in a
 // second tile right after it). Returns whether this CTA ran it (the last split of its tile to
 // arrive).
 template <Kind K, int NB, int RT, int WK, bool OUTLIERS>
-__device__ __forceinline__ bool stream_epilogue(const Params& p, const int* tile, const RowParams<K>& rows) {
+__device__ __forceinline__ bool stream_epilogue(const Params& p, const int* tile, const RowParams<K>& rows,
+                                                const TokenParams<K, NB, RT, WK>& tokens) {
   using T = StreamStaging<NB, RT>;
   constexpr int kThreads = RT * WK * kWarp, kMaxSplits = 8;
   const float* sparse_tile = reinterpret_cast<const float*>(tile + T::kWords);
@@ -531,7 +559,7 @@ __device__ __forceinline__ bool stream_epilogue(const Params& p, const int* tile
     int a[4] = {sum.x, sum.y, sum.z, sum.w};
     if constexpr (K == Kind::kUInt4Channel) {  // the zero point: acc - z[n] * rowsum(x[m])
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] -= rows.zero_of(r) * p.x_rowsum[m];
+      for (int r = 0; r < 4; ++r) a[r] -= rows.zero_of(r) * tokens.rowsum_of(p, m);
     }
     const size_t at = static_cast<size_t>(m) * p.N + n0;
     if (p.out_i32) {  // (never with outliers)
@@ -542,7 +570,7 @@ __device__ __forceinline__ bool stream_epilogue(const Params& p, const int* tile
     // reference path (QuantLinear.forward) computes y = linear_int8(xq, sx) + (S xq^T)^T * sx,
     // i.e. y = sx * (sw * acc + sparse) (acc less z * rowsum(xq) per channel): the token scale
     // once per term, in fp32, one fp16 rounding at the end.
-    const float sx = __half2float(p.x_scale[m]);
+    const float sx = tokens.scale_of(p, m);
     const float sps[4] = {sp.x, sp.y, sp.z, sp.w};
     __half y[4];
 #pragma unroll
@@ -672,7 +700,11 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
   pdl_launch_dependents();
   int acc[2][NB][4] = {};
   float sparse[2][NB][4] = {};  // OUTLIERS: the fp32 outlier sums, same (row, token) as acc
-  if (nt >= p.NT) pdl_wait();  // (the others wait below, after their first weight loads)
+  TokenParams<K, NB, RT, WK> tokens;
+  if (nt >= p.NT) {  // (the others wait below, after their first weight loads)
+    pdl_wait();
+    tokens.load(p);
+  }
   if (nt < p.NT) {
     // B fragment rows: token m0 + 8nb + g. Rows past M re-read row M - 1 (never stored).
     const int8_t* xrow[NB];
@@ -836,6 +868,7 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
     Chunk c;
     if (first < kt_end) load_chunk(c, first, std::true_type{});
     pdl_wait();
+    tokens.load(p);
     trace_stamp(p, kWaited);
     // kRing, the dense kernel with staged activations and NB <= 2: the activation buffer is a
     // ring of two halves (the chunk's first and last U / 2 k-tiles). Each half of the next
@@ -932,7 +965,7 @@ __global__ void __launch_bounds__(RT* WK* kWarp, MIN_BLOCKS) stream_kernel(const
                                                                   reinterpret_cast<float*>(stream_dynamic));
   trace_stamp(p, kSlicesReduced);
 
-  const bool epilogue = stream_epilogue<K, NB, RT, WK, OUTLIERS>(p, tile, rows);
+  const bool epilogue = stream_epilogue<K, NB, RT, WK, OUTLIERS>(p, tile, rows, tokens);
   trace_stamp(p, kStored);
   trace_put(p, kWhere, sm_id() | (static_cast<unsigned long long>(epilogue) << 32));
 }

@@ -514,6 +514,8 @@ MEASURED_BEST = [  # (M, N, K, kernel, tile, splits)
     (16, 8192, 8192, cuda_ops.STREAM_2X8, 2, 1),
     (8, 4096, 14336, cuda_ops.STREAM_1X16, 1, 1),
     (16, 14336, 4096, cuda_ops.STREAM, 2, 1),
+    (1, 11008, 4096, cuda_ops.STREAM, 1, 1),   # two splits (1.3 waves) took 1.27-1.46x as long at M = 1..16
+    (16, 11008, 4096, cuda_ops.STREAM, 2, 1),
     (32, 8192, 8192, cuda_ops.WGMMA_K2_T64, 1, 2),
     (32, 4096, 4096, cuda_ops.STREAM, 4, 4),
     (24, 4096, 4096, cuda_ops.STREAM, 4, 4),

@@ -212,8 +212,8 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
     M <= 32 (or no Hopper): the stream kernel. The GEMM is a weight stream bounded by memory
     bandwidth; tokens per CTA grow with M (8, 16, 32, 64: NB = 1, 2, 4, 8) so that each weight
     byte is read once, and K is split across CTAs until about two CTAs per multiprocessor
-    run (enough 128-bit loads in flight), but never so far that a warp of a split gets less
-    than one full chunk of k-tiles.
+    run (enough 128-bit loads in flight), never past one wave of them, and never so far that a
+    warp of a split gets less than one full chunk of k-tiles.
       M <= 8: NB 1 | <= 16: NB 2 | <= 32: NB 4 | larger (no Hopper): NB 8, ceil(M / 64) token tiles
     (On Hopper, M = 17..32 with at least 12 MB of packed W4 weights goes to the wgmma kernel's
     64-token form instead: measured 1.07-1.27x faster there, slower on 4096 x 4096; W8 weights,
@@ -245,7 +245,10 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
         p = Plan(STREAM, nb, 1)
         target = _STREAM_CTAS_PER_SM[nb] * sms
         full_chunks = max(1, k_tiles // (_STREAM_WARPS_K * _STREAM_CHUNK[nb]))
-        splits = round(target / p.grid_tiles(m, n_tiles))
+        # Never past one wave of those slots: 11008 x 4096 (172 CTA tiles) split 2 ways (344 CTAs
+        # for 264 slots, as the rounded count gave) took 1.27-1.46x as long as unsplit at
+        # M = 1..16 (H200, benchmarks/gemm.py --explore-plans).
+        splits = target // p.grid_tiles(m, n_tiles)
         return Plan(STREAM, nb, max(1, min(splits, full_chunks, MAX_SPLITS)))
     best, best_cost = None, math.inf
     for kernel, wgs in _WGMMA_STAGE_US:
