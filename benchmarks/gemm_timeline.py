@@ -110,10 +110,14 @@ def main() -> None:
                     help="force this plan for every case instead of cuda_ops.plan's (e.g. stream1x8:2:1)")
     ap.add_argument("--outliers", type=float, default=0.0, metavar="DENSITY",
                     help="time the fused sparse-dense kernel with this share of uniform outliers (e.g. 0.01)")
+    ap.add_argument("--library", default=None, metavar="PATH.so",
+                    help="the timelines of this build of the kernel library (e.g. a baseline's) instead of this checkout's")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemm_timeline.py needs a CUDA GPU")
+    if args.library:
+        cuda_ops.use_library(args.library)
     if args.plan:
         name, tile, splits = args.plan.split(":")
         kernel = {v: k for k, v in cuda_ops.KERNEL_NAMES.items()}[name]
