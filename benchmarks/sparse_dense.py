@@ -37,7 +37,7 @@ import sys
 import warnings
 
 import torch
-from gemm import GROUP, copies_for, per_group, w4_operands
+from gemm import GROUP, copies_for, every_stream_plan, per_group, w4_operands
 
 from qoqtool.packing import tile_coo
 from qoqtool.runtime import cuda_ops  # also registers the torch.ops.qoqtool ops
@@ -328,9 +328,7 @@ def explore_plans(kind: str, g, rep_ms: int) -> list[str]:
             x_scale = (torch.rand(m, device="cuda", generator=g) * 0.02 + 0.01).half()
             x_rowsum = x_q.sum(1, dtype=torch.int32)
             dense_us, _ = time_calls([lambda w=w: dense(x_q, x_scale, x_rowsum, w) for w in weights], rep_ms)
-            tile = cuda_ops.stream_tile(m)
-            plans = [cuda_ops.Plan(cuda_ops.STREAM, tile, s) for s in (1, 2, 3, 4, 6, 8)]
-            plans += [cuda_ops.Plan(kernel, tile, s) for kernel in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for s in (1, 2, 3, 4)]
+            plans = every_stream_plan(cuda_ops.stream_tile(m))
             auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper=False, wide=True)
             for pattern in PATTERNS:
                 secs = [make_outliers(n, k, 0.01, pattern, g)[0] for _ in range(copies)]
