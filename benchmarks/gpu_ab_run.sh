@@ -9,7 +9,8 @@
 # AB_ARGS go to library_ab.py; SD_EXPLORE=1 adds benchmarks/sparse_dense.py --explore (the fused
 # kernel's CTA shapes x activation staging) for the candidate; WGMMA_AB=1 a memcheck of the
 # wgmma kernels' forced configurations, the dense A/B at M = 64, 256, 1024 (the wgmma kernel)
-# and benchmarks/gemm.py --explore-wgmma for the candidate (WGMMA_EXPLORE=0: not that one).
+# and benchmarks/gemm.py --explore-wgmma for the candidate (WGMMA_EXPLORE=0: not that one;
+# WGMMA_AB_ARGS, e.g. "--shapes all", go to that A/B).
 # Each further library is a second baseline for the same candidate (a second A/B, ab-<name>.*).
 # Carry .kbuild (the candidate, prebuilt here with QOQTOOL_KERNEL_CACHE=$PWD/.kbuild python -m
 # qoqtool.kernels.build; one hash folder, ~40 MB) and the baseline library xz-compressed (~4.5 MB;
@@ -50,7 +51,7 @@ if [ -n "${WGMMA_AB:-}" ]; then
     grep -E 'every_configuration_exact\[(wgmma|wgmma_k2)1-split(1|3)-per_group' | head -6)
   SAN_LOG=sanitizer-wgmma memcheck 120 $SAN_IDS
   stage "A/B against the baseline: the wgmma kernel (M = 64, 256, 1024)"
-  timeout 240 python3 benchmarks/library_ab.py /tmp/baseline.so --no-fused --ms 64,256,1024 --json "$OUT/ab-wgmma.json" 2>&1 |
+  timeout 300 python3 benchmarks/library_ab.py /tmp/baseline.so --no-fused --ms 64,256,1024 ${WGMMA_AB_ARGS:-} --json "$OUT/ab-wgmma.json" 2>&1 |
     tee "$OUT/ab-wgmma.txt" | tail -14
   if [ "${WGMMA_EXPLORE:-1}" != 0 ]; then
     stage "wgmma choices (candidate)"

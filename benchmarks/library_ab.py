@@ -7,8 +7,8 @@ different machine sessions (clocks and neighbours differ by a few percent betwee
 BASELINE is a libqoqkernels.so built from other sources (e.g. the last commit's, carried to the
 GPU machine); the candidate defaults to the library of this checkout. Cases:
   * the W4A8 GEMM (both kinds; --w8a8: and the W8A8 GEMM) under the plan of this checkout, M in
-    --ms on the four small shapes of benchmarks/gemm.py; a plan whose tile or kernel the
-    baseline lacks fails there;
+    --ms on the four small shapes of benchmarks/gemm.py (--shapes: others, e.g. all five of
+    issue 4 with --shapes all); a plan whose tile or kernel the baseline lacks fails there;
   * the fused sparse-dense GEMM (per group) at 1% outliers, uniform (--patterns: and/or
     column-clustered), M in {8, 16}, on the six shapes of benchmarks/sparse_dense.py
     (--no-fused skips them; --no-gemm the dense cases).
@@ -33,7 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gemm import copies_for, small_m_cases, time_calls, w4_operands, w4_ops, w8_operands  # noqa: E402
+from gemm import SHAPES, SMALL_SHAPES, copies_for, small_m_cases, time_calls, w4_operands, w4_ops, w8_operands  # noqa: E402
 from sparse_dense import SHAPES as SPARSE_SHAPES  # noqa: E402
 from sparse_dense import PATTERNS, fused_op, make_outliers  # noqa: E402
 
@@ -62,11 +62,11 @@ def report(group: str, label: str, times: dict, bf16: float, rows: list[dict], *
           f" | candidate {times['candidate']:7.2f} ({bf16 / times['candidate']:.2f}x) | {ratio:.3f}", flush=True)
 
 
-def gemm_cases(g, ms, paths, rows, w8a8: bool = False) -> None:
+def gemm_cases(g, ms, paths, rows, w8a8: bool = False, shapes=SMALL_SHAPES) -> None:
     op = w4_ops()
     if w8a8:  # called as the W4 ops are: (x_q, x_scale, x_rowsum, weights..., N); W8A8 takes no row sums
         op["w8a8"] = lambda x_q, x_scale, x_rowsum, *w: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w)
-    for n, k, m, acts, bf16, plan in small_m_cases(g, ms):
+    for n, k, m, acts, bf16, plan in small_m_cases(g, ms, shapes):
         for kind in op:
             w8 = kind == "w8a8"
             weights = [w8_operands(n, k, g) if w8 else w4_operands(n, k, kind, g)
@@ -106,12 +106,21 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true", help="skip the fused sparse-dense cases")
     ap.add_argument("--patterns", default="uniform", help="fused outlier patterns: uniform and/or clustered (default uniform)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the dense GEMM cases")
+    ap.add_argument("--shapes", default=None,
+                    help="dense GEMM shapes as NxK,NxK or 'all' (issue 4's five; default: the four small ones)")
     ap.add_argument("--w8a8", action="store_true", help="time the W8A8 GEMM too (its plan may differ from the printed W4 one)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     patterns = args.patterns.split(",")
     if not set(patterns) <= set(PATTERNS):
         ap.error(f"--patterns: {args.patterns!r}; choose from {','.join(PATTERNS)}")
+    try:
+        shapes = SMALL_SHAPES if args.shapes is None else SHAPES if args.shapes == "all" else [
+            tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        ap.error(f"--shapes: {args.shapes!r}; give NxK,NxK (e.g. 4096x4096,11008x4096) or all")
+    if not all(len(s) == 2 for s in shapes):
+        ap.error(f"--shapes: {args.shapes!r}; give NxK,NxK (e.g. 4096x4096,11008x4096) or all")
     if not torch.cuda.is_available():
         sys.exit("library_ab.py needs a CUDA GPU")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -119,7 +128,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []
     if not args.no_gemm:
-        gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows, args.w8a8)
+        gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows, args.w8a8, shapes)
     if not args.no_fused:
         fused_cases(g, [int(m) for m in args.fused_ms.split(",")], patterns, paths, rows)
     print("\ngeometric mean of baseline / candidate (> 1: the candidate is faster)")
