@@ -97,6 +97,12 @@ def fused_cases(g, ms, patterns, paths, rows) -> None:
         torch.cuda.empty_cache()
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """'NxK' -> (N, K); ValueError otherwise."""
+    n, k = (int(d) for d in text.split("x"))  # (ValueError for a count other than two, too)
+    return n, k
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("baseline", help="the baseline build's libqoqkernels.so")
@@ -116,10 +122,8 @@ def main() -> None:
         ap.error(f"--patterns: {args.patterns!r}; choose from {','.join(PATTERNS)}")
     try:
         shapes = SMALL_SHAPES if args.shapes is None else SHAPES if args.shapes == "all" else [
-            tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+            parse_shape(s) for s in args.shapes.split(",")]
     except ValueError:
-        ap.error(f"--shapes: {args.shapes!r}; give NxK,NxK (e.g. 4096x4096,11008x4096) or all")
-    if not all(len(s) == 2 for s in shapes):
         ap.error(f"--shapes: {args.shapes!r}; give NxK,NxK (e.g. 4096x4096,11008x4096) or all")
     if not torch.cuda.is_available():
         sys.exit("library_ab.py needs a CUDA GPU")
