@@ -1,6 +1,7 @@
 """CI: every kernel source compiles with nvcc, for every target, on a machine without a GPU; the
 wgmma kernels' SASS never overwrites a register an in-flight wgmma still reads."""
 
+import shutil
 import subprocess
 import sys
 
@@ -29,6 +30,20 @@ def test_benchmark_cuda_sources_compile(source, tmp_path):
     """Stand-alone CUDA programs under benchmarks/ (built by hand on the GPU machine) compile too."""
     subprocess.run([build.nvcc_path(), "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", str(source),
                     "-o", str(tmp_path / "out.o")], check=True, capture_output=True)
+
+
+@pytest.mark.skipif(build.nvcc_path() is None or shutil.which("patch") is None,
+                    reason="nvcc or patch is not installed: the wgmma probes cannot be compile-checked")
+def test_the_wgmma_probes_apply_and_compile(tmp_path):
+    """benchmarks/wgmma_probes.patch still applies to the kernels, and the probed W4A8 kernels
+    compile (probe 5: the refills' own copy code; 9: the timeline stamps and their launcher)."""
+    shutil.copytree(build.KERNEL_DIR, tmp_path / "kernels")
+    patch = build.KERNEL_DIR.parent / "benchmarks" / "wgmma_probes.patch"
+    subprocess.run(["patch", "-s", "-p1", "-d", str(tmp_path), "-i", str(patch)], check=True, capture_output=True)
+    for probe in (5, 9):
+        subprocess.run([build.nvcc_path(), "-std=c++17", "-O1", "-gencode=arch=compute_90a,code=sm_90a", f"-DQOQ_WGMMA_PROBE={probe}",
+                        "-I", str(tmp_path / "kernels"), "-c", str(tmp_path / "kernels" / "w4a8_gemm.cu"),
+                        "-o", str(tmp_path / f"probe{probe}.o")], check=True, capture_output=True)
 
 
 @pytest.mark.skipif(build.nvcc_path() is None or check_sass.nvdisasm_path() is None,
