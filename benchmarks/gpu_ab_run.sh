@@ -20,7 +20,6 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ab_out}
 source benchmarks/gpu_stages.sh
 setup_machine 300
-unxz() { python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$1" "$2"; }
 [ "${1:?baseline}" = --tests-only ] || unxz "$1" /tmp/baseline.so
 
 stage "tests"

@@ -19,6 +19,9 @@ setup_machine() {
   timeout "$1" python3 -m qoqtool.kernels.build 2>&1 | tail -3 | tee -a "$LOG"
 }
 
+# A carried xz file decompressed ($1 -> $2) with python's lzma (the machine need not have xz).
+unxz() { python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$1" "$2"; }
+
 # compute-sanitizer memcheck of the pytest ids after $1 (seconds allowed); its log goes to
 # $OUT/${SAN_LOG:-sanitizer}.txt and its exit status to SAN_RC (9 when it found errors).
 memcheck() {

@@ -40,14 +40,13 @@ build)
   ;;
 run)
   OUT=${OUT:-/tmp/probe_out}
-  unxz() { python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$1" "$2"; }
   export QOQTOOL_KERNEL_CACHE=/tmp/kcache
+  set +e
+  source benchmarks/gpu_stages.sh
   # The unmodified library goes where this checkout's build would be cached, so setup_machine finds it.
   base="$QOQTOOL_KERNEL_CACHE/$(python3 -c 'import sys; sys.path.insert(0, "kernels"); import build; print(build.library_path().parent.name)')/libqoqkernels.so"
   mkdir -p "$(dirname "$base")"
   unxz .carry/base.so.xz "$base"
-  set +e
-  source benchmarks/gpu_stages.sh
   setup_machine 300
   for n in $probes; do
     unxz ".carry/p$n.so.xz" "/tmp/p$n.so"
