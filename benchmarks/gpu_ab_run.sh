@@ -11,7 +11,10 @@
 # wgmma kernels' forced configurations, the dense A/B at M = 64, 256, 1024 (the wgmma kernel)
 # and benchmarks/gemm.py --explore-wgmma for the candidate (WGMMA_EXPLORE=0: not that one;
 # WGMMA_AB_ARGS, e.g. "--shapes all", go to that A/B).
-# Each further library is a second baseline for the same candidate (a second A/B, ab-<name>.*).
+# Each further library is a second baseline for the same candidate (a second A/B, ab-<name>.*,
+# and with WGMMA_AB=1 a second wgmma A/B, ab-wgmma-<name>.*).
+# TIMELINES="a.so.xz b.so.xz": the wgmma kernel's timelines of each such library (probe-9 builds:
+# benchmarks/wgmma_probes.sh) on the cases WGMMA_CASES (N:K:M,...), timeline-<name>.txt.
 # Carry .kbuild (the candidate, prebuilt here with QOQTOOL_KERNEL_CACHE=$PWD/.kbuild python -m
 # qoqtool.kernels.build; one hash folder, ~40 MB) and the baseline library xz-compressed (~4.5 MB;
 # e.g. `xz -T2 -3 -c .kbuild/<hash>/libqoqkernels.so > .carry/baseline.so.xz` before the
@@ -52,6 +55,12 @@ if [ -n "${WGMMA_AB:-}" ]; then
   stage "A/B against the baseline: the wgmma kernel (M = 64, 256, 1024)"
   timeout 300 python3 benchmarks/library_ab.py /tmp/baseline.so --no-fused --ms 64,256,1024 ${WGMMA_AB_ARGS:-} --json "$OUT/ab-wgmma.json" 2>&1 |
     tee "$OUT/ab-wgmma.txt" | tail -14
+  for other in "${@:2}"; do
+    name=$(basename "$other" .so.xz)
+    stage "A/B against $name: the wgmma kernel"
+    timeout 300 python3 benchmarks/library_ab.py "/tmp/$name.so" --no-fused --ms 64,256,1024 ${WGMMA_AB_ARGS:-} \
+      --json "$OUT/ab-wgmma-$name.json" 2>&1 | tee "$OUT/ab-wgmma-$name.txt" | tail -14
+  done
   if [ "${WGMMA_EXPLORE:-1}" != 0 ]; then
     stage "wgmma choices (candidate)"
     timeout 300 python3 benchmarks/gemm.py --explore-wgmma --json "$OUT/explore-wgmma.json" 2>&1 |
@@ -63,6 +72,14 @@ if [ -n "${SD_EXPLORE:-}" ]; then
   stage "fused kernel: CTA shapes x staging (candidate)"
   timeout 200 python3 benchmarks/sparse_dense.py --explore --json "$OUT/sd-explore.json" 2>&1 | tee "$OUT/sd-explore.txt" | tail -30
 fi
+
+for lib in ${TIMELINES:-}; do
+  name=$(basename "$lib" .so.xz)
+  stage "wgmma timelines ($name)"
+  unxz "$lib" "/tmp/$name.so"
+  timeout 200 python3 benchmarks/gemm_timeline.py --library "/tmp/$name.so" \
+    --cases "${WGMMA_CASES:-4096:4096:256,11008:4096:256}" 2>&1 | tee "$OUT/timeline-$name.txt" | tail -40
+done
 
 stage "timelines (candidate)"
 timeout 60 python3 benchmarks/gemm_timeline.py --cases 4096:4096:16,8192:8192:16,4096:4096:1 --json "$OUT/timeline.json" \

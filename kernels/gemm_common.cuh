@@ -242,19 +242,24 @@ __device__ __forceinline__ float dense_value(int acc, float sx, float sw) {
 // After this CTA has written its split's partials: counts it in, and returns true in the last
 // split of the tile to arrive (which resets the counter for the next launch), once every
 // other split's partials are visible to it. Every thread of the CTA must call this.
+// The barrier orders every thread's partials before thread 0's count, and the count is one
+// acq_rel atomic at GPU scope: its release is cumulative (it publishes what the barrier
+// ordered before it) and its acquire, in the last split, passes to the CTA's threads through
+// the second barrier - the semaphore pattern of CUTLASS's GenericBarrier, instead of a
+// sequentially consistent fence in every thread before the count and after it (MEMBAR.SC.GPU,
+// 6% of the stall samples at M = 16: benchmarks/notes-gemm.md, version 8).
 __device__ __forceinline__ bool arrive_last_split(const Params& p) {
   __shared__ int last_split;
-  __threadfence();  // our partials are visible device-wide before we are counted
   __syncthreads();
   if (threadIdx.x == 0) {
     int* counter = p.counters + blockIdx.y * gridDim.x + blockIdx.x;
-    last_split = atomicAdd(counter, 1) == p.splits - 1;
+    int before;
+    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+    last_split = before == p.splits - 1;
     if (last_split) *counter = 0;  // every split has arrived: reset for the next launch
   }
   __syncthreads();
-  if (!last_split) return false;
-  __threadfence();
-  return true;
+  return last_split;
 }
 
 // Split-K across CTAs for the W4A16 kernels, where each accumulator stays in its register

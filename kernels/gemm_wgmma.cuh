@@ -155,50 +155,78 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   // tokens' scales are all read before the block's stores.
   constexpr int kBlock = BS == 2 ? (T::kPasses < 8 ? T::kPasses : 8) : 16;
   static_assert(T::kPasses % kBlock == 0, "whole blocks of tokens");
+  // `checked` false: fp16 out, whole chunks and every token of the tile inside M (the
+  // CTA-uniform common case), so the passes carry no bounds test, no branch on the output's
+  // kind and no 64-bit address arithmetic beyond one add; each pair of outputs is converted
+  // by one F2FP (__floats2half2_rn rounds as __float2half_rn does). In the SASS the per-block
+  // code of the other form had a compare and a branch for nearly every store and one F2FP per
+  // output (benchmarks/notes-gemm.md, version 25), and with 256 threads for 32768 outputs
+  // (the one-pipeline forms) that chain is the 4.6 us of their final epilogue.
+  auto emit = [&](auto checked) {
+    constexpr bool kChecked = decltype(checked)::value;
 #pragma unroll 1
-  for (int j0 = 0; j0 < T::kPasses; j0 += kBlock) {
-    int4 v[kBlock];
+    for (int j0 = 0; j0 < T::kPasses; j0 += kBlock) {
+      int4 v[kBlock];
 #pragma unroll
-    for (int j = 0; j < kBlock; ++j) v[j] = staged(j0 + j);
+      for (int j = 0; j < kBlock; ++j) v[j] = staged(j0 + j);
 #pragma unroll 1
-    for (int z = 0; z < p.splits; ++z) {
-      if (z == static_cast<int>(blockIdx.z)) continue;
-      const int32_t* theirs = p.workspace + z * slice + n0;
-      int4 w[kBlock];
+      for (int z = 0; z < p.splits; ++z) {
+        if (z == static_cast<int>(blockIdx.z)) continue;
+        const int32_t* theirs = p.workspace + z * slice + n0;
+        int4 w[kBlock];
+#pragma unroll
+        for (int j = 0; j < kBlock; ++j) {
+          const int m = token(j0 + j);
+          w[j] = !kChecked || m < p.M ? __ldcg(reinterpret_cast<const int4*>(theirs + m * ld)) : make_int4(0, 0, 0, 0);  // L2: L1 is not coherent
+        }
+#pragma unroll
+        for (int j = 0; j < kBlock; ++j) add4(v[j], w[j]);
+      }
+      float sx[kBlock];
+      int rowsum[kBlock];
 #pragma unroll
       for (int j = 0; j < kBlock; ++j) {
         const int m = token(j0 + j);
-        w[j] = m < p.M ? __ldcg(reinterpret_cast<const int4*>(theirs + m * ld)) : make_int4(0, 0, 0, 0);  // L2: L1 is not coherent
+        const bool in = !kChecked || m < p.M;
+        sx[j] = in ? __half2float(p.x_scale[m]) : 0.f;
+        rowsum[j] = (K == Kind::kUInt4Channel || BIASED) && in ? p.x_rowsum[m] : 0;
       }
+      if constexpr (!kChecked) {
+        // Row n0 of token(j0): consecutive passes are kTokenStep output rows apart.
+        __half* out = static_cast<__half*>(p.out) + static_cast<size_t>(token(j0)) * p.N + n0;
+        const int step = T::kTokenStep * p.N;  // < 2^31: M * N fits the int32 of tile offsets
 #pragma unroll
-      for (int j = 0; j < kBlock; ++j) add4(v[j], w[j]);
-    }
-    float sx[kBlock];
-    int rowsum[kBlock];
+        for (int j = 0; j < kBlock; ++j) {
+          int a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+          float y[4];
 #pragma unroll
-    for (int j = 0; j < kBlock; ++j) {
-      const int m = token(j0 + j);
-      sx[j] = m < p.M ? __half2float(p.x_scale[m]) : 0.f;
-      rowsum[j] = (K == Kind::kUInt4Channel || BIASED) && m < p.M ? p.x_rowsum[m] : 0;
-    }
+          for (int r = 0; r < 4; ++r) y[r] = dense_value<K>(a[r] - zero[r] * rowsum[j], sx[j], sw[r]);  // (zero 0 for the other kinds)
+          const __half2 lo = __floats2half2_rn(y[0], y[1]), hi = __floats2half2_rn(y[2], y[3]);
+          *reinterpret_cast<uint2*>(out + j * step) = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+        }
+      } else {
 #pragma unroll
-    for (int j = 0; j < kBlock; ++j) {
-      const int m = token(j0 + j);
-      if (m >= p.M) continue;
-      int a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+        for (int j = 0; j < kBlock; ++j) {
+          const int m = token(j0 + j);
+          if (m >= p.M) continue;
+          int a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] -= zero[r] * rowsum[j];  // (0 for the other kinds)
-      const size_t at = static_cast<size_t>(m) * p.N + n0;
-      if (p.out_i32) {
-        store_row4(static_cast<int32_t*>(p.out) + at, a, n0, p.N, whole);
-        continue;
+          for (int r = 0; r < 4; ++r) a[r] -= zero[r] * rowsum[j];  // (0 for the other kinds)
+          const size_t at = static_cast<size_t>(m) * p.N + n0;
+          if (p.out_i32) {
+            store_row4(static_cast<int32_t*>(p.out) + at, a, n0, p.N, whole);
+            continue;
+          }
+          __half y[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) y[r] = __float2half_rn(dense_value<K>(a[r], sx[j], sw[r]));
+          store_row4(static_cast<__half*>(p.out) + at, y, n0, p.N, whole);
+        }
       }
-      __half y[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) y[r] = __float2half_rn(dense_value<K>(a[r], sx[j], sw[r]));
-      store_row4(static_cast<__half*>(p.out) + at, y, n0, p.N, whole);
     }
-  }
+  };
+  if (!p.out_i32 && whole && m0 + BN <= p.M) emit(std::false_type{});
+  else emit(std::true_type{});
 }
 
 // BIASED (progressive, launched when the tokens' row sums are given): the weights go to the
