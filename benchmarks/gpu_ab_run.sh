@@ -50,7 +50,7 @@ done
 if [ -n "${WGMMA_AB:-}" ]; then
   stage "compute-sanitizer memcheck (wgmma kernels, forced configurations)"
   SAN_IDS=$(python3 -m pytest --collect-only -q tests/test_kernels_gemm.py 2>/dev/null |
-    grep -E 'every_configuration_exact\[(wgmma|wgmma_k2)1-split(1|3)-per_group' | head -6)
+    grep -E 'every_configuration_exact\[(wgmma|wgmma_k2)1-split(1|2|3)-per_group' | head -9)
   SAN_LOG=sanitizer-wgmma memcheck 120 $SAN_IDS
   stage "A/B against the baseline: the wgmma kernel (M = 64, 256, 1024)"
   timeout 300 python3 benchmarks/library_ab.py /tmp/baseline.so --no-fused --ms 64,256,1024 ${WGMMA_AB_ARGS:-} --json "$OUT/ab-wgmma.json" 2>&1 |

@@ -44,22 +44,27 @@ inline cudaError_t current_device_major(int* major) {
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch
 // when `pdl` is set and the device is a Hopper (the kernel must call pdl_wait before it reads
-// what earlier kernels write, and before it writes anything).
+// what earlier kernels write, and before it writes anything), in clusters of `cluster_z` CTAs
+// along z when that is more than 1 (Hopper only).
 template <class... KArgs, class... Args>
 cudaError_t launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-                             Args&&... args) {
+                             unsigned cluster_z, Args&&... args) {
   int major = 0;
   if (pdl) QOQ_RETURN_IF_ERROR(current_device_major(&major));
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = pdl && major >= 9;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = 1;
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = cluster_z;
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = cluster_z > 1 ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
@@ -259,6 +264,52 @@ __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+
+// Thread block clusters (sm_90): a CTA's rank in its cluster and the cluster's size, another
+// CTA's shared memory (distributed shared memory: the address of `addr` in rank `rank`'s
+// window, then read with ld.shared::cluster), and the cluster-wide barrier, whose arrive
+// releases and whose wait acquires this CTA's and the others' shared-memory writes. A CTA
+// must not exit while another may still read its shared memory. (The remote read is volatile
+// so that it stays after the barrier, which is volatile too, but has no memory clobber, so
+// that a block of them can be issued before their first use.)
+__device__ __forceinline__ uint32_t cluster_size() {
+  uint32_t n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+#endif
+  return n;
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+// Not .aligned: the threads of a warp may arrive from different branches.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+__device__ __forceinline__ int4 ld_shared_remote_v4(uint32_t addr, uint32_t rank) {
+  int4 v = make_int4(0, 0, 0, 0);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.s32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(remote));
+#endif
+  return v;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ cudaError_t launch_stream_shape(const Params& p, cudaStream_t stream) {
     if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     Params q = p;
     q.trace = trace_buffer();
-    return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), q);
+    return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), 1, q);
   };
   bool stage = stage_activations() && p.M >= kStageMinM;
   if constexpr (OUTLIERS) {
@@ -211,7 +211,27 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
   auto go = [&](auto biased) {  // progressive with the tokens' row sums: the UINT8 form (wgmma_kernel's BIASED)
     const auto kernel = wgmma_kernel<K, WGS, KS, decltype(biased)::value, BN>;
     QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem));
-    return launch_maybe_pdl(kernel, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), p, maps);
+    // Two splits go out as clusters of two CTAs, whose epilogue adds the partner's partials
+    // through distributed shared memory (wgmma_epilogue), when all of the grid's pairs fit on
+    // the GPU at once (a pair needs two multiprocessors of one GPC); otherwise, as for more
+    // splits, through the workspace.
+    static int max_pairs = -1;  // per kernel (and device: one GPU per process here)
+    if (max_pairs < 0) {
+      cudaLaunchAttribute pair{};
+      pair.id = cudaLaunchAttributeClusterDimension;
+      pair.val.clusterDim.x = 1;
+      pair.val.clusterDim.y = 1;
+      pair.val.clusterDim.z = 2;
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(1, 1, 2);
+      config.blockDim = dim3(S::kThreads);
+      config.dynamicSmemBytes = S::kSmem;
+      config.attrs = &pair;
+      config.numAttrs = 1;
+      QOQ_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&max_pairs, kernel, &config));
+    }
+    const unsigned cluster_z = p.splits == 2 && static_cast<int>(grid.x * grid.y) <= max_pairs ? 2 : 1;
+    return launch_maybe_pdl(kernel, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), cluster_z, p, maps);
   };
   if constexpr (K == Kind::kProgressive) {
     if (p.x_rowsum != nullptr) return go(std::true_type{});

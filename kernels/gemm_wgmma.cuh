@@ -126,17 +126,30 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   const int c = tid % T::kChunks, first = tid / T::kChunks;  // rows n0..n0+3 of tokens m0 + first + 4j
   const int n0 = nt0 * 32 + 4 * c;
   auto token = [&](int j) { return m0 + first + T::kTokenStep * j; };
-  auto staged = [&](int j) { return *reinterpret_cast<const int4*>(tile + (first + T::kTokenStep * j) * T::kPitch + 4 * c); };
+  auto staged_at = [&](int j) { return (first + T::kTokenStep * j) * T::kPitch + 4 * c; };  // in words
+  auto staged = [&](int j) { return *reinterpret_cast<const int4*>(tile + staged_at(j)); };
   const size_t ld = static_cast<size_t>(p.NT) * 32, slice = static_cast<size_t>(p.M) * ld;  // workspace [split][M][NT*32]
   const bool rows_in = n0 < static_cast<int>(ld);  // false past the last row tile (grid rounding)
-  if (p.splits > 1) {  // as reduce_splits, in whole chunks
+  // Two splits launched as a cluster of two CTAs (launch_wgmma): each stays resident until
+  // both are done, so the partials never leave the chip. Both tiles staged, each CTA reads
+  // the other's half of the tokens (passes) through distributed shared memory, adds it to its
+  // own and writes those outputs: no round trip of 64 KB of partials through L2, no counter,
+  // and half the epilogue per CTA. The second barrier keeps each tile alive until the other
+  // CTA has read it (its arrive right after the reads, its wait after the stores).
+  const bool paired = cluster_size() == 2;
+  if (paired) {
+    cluster_sync();
+  } else if (p.splits > 1) {  // as reduce_splits, in whole chunks
     int32_t* mine = p.workspace + blockIdx.z * slice + n0;
 #pragma unroll 4
     for (int j = 0; j < T::kPasses; ++j)
       if (rows_in && token(j) < p.M) *reinterpret_cast<int4*>(mine + token(j) * ld) = staged(j);
     if (!arrive_last_split(p)) return;
   }
-  if (n0 >= p.N) return;
+  if (n0 >= p.N) {
+    if (paired) cluster_sync();
+    return;
+  }
 
   // Whole chunks (N % 4 == 0, so n0 < N means all four rows are in) go out as one vector store.
   const bool whole = p.N % 4 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
@@ -152,9 +165,10 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   }
   // Blocks of kBlock of a thread's chunks (16; the K2 form, 128 registers a thread: 8, or all
   // 4 with 64 tokens): the other splits' partials (kBlock loads in flight per split) and the
-  // tokens' scales are all read before the block's stores.
+  // tokens' scales are all read before the block's stores. Paired, the thread's passes
+  // [rank * kPasses / 2, ...) only, in blocks of at most that many.
   constexpr int kBlock = BS == 2 ? (T::kPasses < 8 ? T::kPasses : 8) : 16;
-  static_assert(T::kPasses % kBlock == 0, "whole blocks of tokens");
+  static_assert(T::kPasses % kBlock == 0 && T::kPasses % 2 == 0, "whole blocks of tokens");
   // `checked` false: fp16 out, whole chunks and every token of the tile inside M (the
   // CTA-uniform common case), so the passes carry no bounds test, no branch on the output's
   // kind and no 64-bit address arithmetic beyond one add; each pair of outputs is converted
@@ -162,30 +176,43 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   // code of the other form had a compare and a branch for nearly every store and one F2FP per
   // output (benchmarks/notes-gemm.md, version 25), and with 256 threads for 32768 outputs
   // (the one-pipeline forms) that chain is the 4.6 us of their final epilogue.
-  auto emit = [&](auto checked) {
-    constexpr bool kChecked = decltype(checked)::value;
+  auto emit = [&](auto checked, auto pair) {
+    constexpr bool kChecked = decltype(checked)::value, kPaired = decltype(pair)::value;
+    constexpr int kB = kPaired && T::kPasses / 2 < kBlock ? T::kPasses / 2 : kBlock;  // passes per block
+    const int jb = kPaired ? static_cast<int>(cluster_rank()) * (T::kPasses / 2) : 0;
 #pragma unroll 1
-    for (int j0 = 0; j0 < T::kPasses; j0 += kBlock) {
-      int4 v[kBlock];
+    for (int j0 = jb; j0 < jb + (kPaired ? T::kPasses / 2 : T::kPasses); j0 += kB) {
+      int4 v[kB];
 #pragma unroll
-      for (int j = 0; j < kBlock; ++j) v[j] = staged(j0 + j);
+      for (int j = 0; j < kB; ++j) v[j] = staged(j0 + j);
+      if constexpr (kPaired) {
+        const uint32_t other = cluster_rank() ^ 1;
+        int4 w[kB];
+#pragma unroll
+        for (int j = 0; j < kB; ++j) w[j] = ld_shared_remote_v4(smem_u32(tile + staged_at(j0 + j)), other);
+#pragma unroll
+        for (int j = 0; j < kB; ++j) add4(v[j], w[j]);
+        // The last of this thread's reads of the other tile is done: the other CTA may leave
+        // once all of ours are (cluster_wait after the stores).
+        if (j0 + kB == jb + T::kPasses / 2) cluster_arrive();
+      }
 #pragma unroll 1
-      for (int z = 0; z < p.splits; ++z) {
+      for (int z = 0; z < (kPaired ? 0 : p.splits); ++z) {
         if (z == static_cast<int>(blockIdx.z)) continue;
         const int32_t* theirs = p.workspace + z * slice + n0;
-        int4 w[kBlock];
+        int4 w[kB];
 #pragma unroll
-        for (int j = 0; j < kBlock; ++j) {
+        for (int j = 0; j < kB; ++j) {
           const int m = token(j0 + j);
           w[j] = !kChecked || m < p.M ? __ldcg(reinterpret_cast<const int4*>(theirs + m * ld)) : make_int4(0, 0, 0, 0);  // L2: L1 is not coherent
         }
 #pragma unroll
-        for (int j = 0; j < kBlock; ++j) add4(v[j], w[j]);
+        for (int j = 0; j < kB; ++j) add4(v[j], w[j]);
       }
-      float sx[kBlock];
-      int rowsum[kBlock];
+      float sx[kB];
+      int rowsum[kB];
 #pragma unroll
-      for (int j = 0; j < kBlock; ++j) {
+      for (int j = 0; j < kB; ++j) {
         const int m = token(j0 + j);
         const bool in = !kChecked || m < p.M;
         sx[j] = in ? __half2float(p.x_scale[m]) : 0.f;
@@ -196,7 +223,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
         __half* out = static_cast<__half*>(p.out) + static_cast<size_t>(token(j0)) * p.N + n0;
         const int step = T::kTokenStep * p.N;  // < 2^31: M * N fits the int32 of tile offsets
 #pragma unroll
-        for (int j = 0; j < kBlock; ++j) {
+        for (int j = 0; j < kB; ++j) {
           int a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
           float y[4];
 #pragma unroll
@@ -206,7 +233,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < kBlock; ++j) {
+        for (int j = 0; j < kB; ++j) {
           const int m = token(j0 + j);
           if (m >= p.M) continue;
           int a[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
@@ -225,8 +252,15 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
       }
     }
   };
-  if (!p.out_i32 && whole && m0 + BN <= p.M) emit(std::false_type{});
-  else emit(std::true_type{});
+  const bool fast = !p.out_i32 && whole && m0 + BN <= p.M;
+  if (paired) {
+    if (fast) emit(std::false_type{}, std::true_type{});
+    else emit(std::true_type{}, std::true_type{});
+    cluster_wait();
+  } else {
+    if (fast) emit(std::false_type{}, std::false_type{});
+    else emit(std::true_type{}, std::false_type{});
+  }
 }
 
 // BIASED (progressive, launched when the tokens' row sums are given): the weights go to the

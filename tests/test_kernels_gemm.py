@@ -165,9 +165,11 @@ def test_demo_model_shapes_exact(kind, group, n, k, m):
 # nothing evenly (M = 100 tokens, 23 k-tiles, 32 row tiles with a partial last one).
 # The K2 form also at 5 splits of the 6 stages: splits of one stage leave its second
 # warpgroup without work.
+# The wgmma forms with 2 splits: their CTAs go out in pairs (clusters) and exchange partials
+# through shared memory; with 3 or 5 through the workspace.
 FORCED = [cuda_ops.Plan(cuda_ops.STREAM, nb, s) for nb in (1, 2, 4, 8) for s in (1, 3)] + [
-    cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 3)
-] + [cuda_ops.Plan(k2, 1, s) for k2 in (cuda_ops.WGMMA_K2, cuda_ops.WGMMA_K2_T64) for s in (1, 3, 5)] + [
+    cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 2, 3)
+] + [cuda_ops.Plan(k2, 1, s) for k2 in (cuda_ops.WGMMA_K2, cuda_ops.WGMMA_K2_T64) for s in (1, 2, 3, 5)] + [
     cuda_ops.Plan(wide, nb, s) for wide in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for nb in (1, 2) for s in (1, 3)]
 
 
@@ -193,6 +195,8 @@ def test_every_configuration_exact(kind, forced, monkeypatch):
     monkeypatch.setattr(cuda_ops, "PLAN_OVERRIDE", forced)
     check_gemm(kind, 100, 1000, 736, 32)
     check_gemm(kind, 100, 998, 736, 32)  # N % 4 != 0: the epilogues' per-row stores instead of vector ones
+    if forced.kernel in cuda_ops.WGMMA_KERNELS:
+        check_gemm(kind, 256, 1000, 736, 32)  # whole token tiles: the wgmma epilogue's unchecked form
 
 
 @pytest.fixture
