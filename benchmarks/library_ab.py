@@ -19,7 +19,9 @@ with the baseline's defaults (e.g. when to stage the fused kernel's activations)
 Each case is timed as benchmarks/gemm.py times (R calls on R weight copies in one CUDA graph,
 do_bench median) under baseline, candidate, baseline, candidate; each library's faster run is
 kept. Printed: both times, cuBLAS bf16 in the same run, and baseline / candidate (> 1: the
-candidate is faster), with the geometric mean per group of cases.
+candidate is faster), with the geometric mean per group of cases. --compare-outputs also runs
+each case's first call once under each library and says whether the two fp16 outputs are
+identical bit for bit (a change that only moves work around must leave them so).
 """
 
 from __future__ import annotations
@@ -54,15 +56,28 @@ def ab(calls, paths: dict) -> dict:
     return best
 
 
-def report(group: str, label: str, times: dict, bf16: float, rows: list[dict], **fields) -> None:
+def differing_outputs(call, paths: dict) -> int:
+    """How many elements of call()'s output differ between the two libraries (0: bit-identical)."""
+    outs = {}
+    for name in LIBRARIES:
+        cuda_ops.use_library(paths[name])
+        outs[name] = call().clone()
+    cuda_ops.use_library(None)
+    a, b = outs["baseline"].view(torch.int16), outs["candidate"].view(torch.int16)
+    return int((a != b).sum())
+
+
+def report(group: str, label: str, times: dict, bf16: float, rows: list[dict], differing: int | None = None,
+           **fields) -> None:
     ratio = times["baseline"] / times["candidate"]
     rows.append({"group": group, **fields, **{f"{k}_us": v for k, v in times.items()}, "bf16_us": bf16,
-                 "baseline_over_candidate": ratio})
+                 "baseline_over_candidate": ratio, **({} if differing is None else {"differing_outputs": differing})})
+    same = "" if differing is None else " | outputs identical" if differing == 0 else f" | {differing} OUTPUTS DIFFER"
     print(f"{group:7s} {label:32s} | bf16 {bf16:7.2f} | baseline {times['baseline']:7.2f} ({bf16 / times['baseline']:.2f}x)"
-          f" | candidate {times['candidate']:7.2f} ({bf16 / times['candidate']:.2f}x) | {ratio:.3f}", flush=True)
+          f" | candidate {times['candidate']:7.2f} ({bf16 / times['candidate']:.2f}x) | {ratio:.3f}{same}", flush=True)
 
 
-def gemm_cases(g, ms, paths, rows, w8a8: bool = False, shapes=SMALL_SHAPES) -> None:
+def gemm_cases(g, ms, paths, rows, w8a8: bool = False, shapes=SMALL_SHAPES, compare: bool = False) -> None:
     op = w4_ops()
     if w8a8:  # called as the W4 ops are: (x_q, x_scale, x_rowsum, weights..., N); W8A8 takes no row sums
         op["w8a8"] = lambda x_q, x_scale, x_rowsum, *w: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w)
@@ -71,14 +86,16 @@ def gemm_cases(g, ms, paths, rows, w8a8: bool = False, shapes=SMALL_SHAPES) -> N
             w8 = kind == "w8a8"
             weights = [w8_operands(n, k, g) if w8 else w4_operands(n, k, kind, g)
                        for _ in range(copies_for(n * k if w8 else n * k // 2, m))]
-            times = ab([lambda w=w: op[kind](*acts, *w, n) for w in weights], paths)
-            report("gemm", f"{kind} M={m:<2d} {n}x{k} {plan.name()}", times, bf16, rows,
+            calls = [lambda w=w: op[kind](*acts, *w, n) for w in weights]
+            differing = differing_outputs(calls[0], paths) if compare else None
+            times = ab(calls, paths)
+            report("gemm", f"{kind} M={m:<2d} {n}x{k} {plan.name()}", times, bf16, rows, differing,
                    kind=kind, M=m, N=n, K=k, plan=plan.name())
             del weights
             torch.cuda.empty_cache()
 
 
-def fused_cases(g, ms, patterns, paths, rows) -> None:
+def fused_cases(g, ms, patterns, paths, rows, compare: bool = False) -> None:
     for pattern, (n, k) in itertools.product(patterns, SPARSE_SHAPES):
         op = fused_op("per_group", n)
         copies = copies_for(n * k // 2, min(ms))
@@ -91,8 +108,11 @@ def fused_cases(g, ms, patterns, paths, rows) -> None:
             wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(2 * n * k, m))]
             bf16 = time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
             del wb
-            times = ab([lambda w=w, s=s: op(x_q, x_scale, None, w, s) for w, s in zip(weights, sections)], paths)
-            report(f"fused-{pattern[:5]}", f"1% M={m:<2d} {n}x{k}", times, bf16, rows, M=m, N=n, K=k, pattern=pattern)
+            calls = [lambda w=w, s=s: op(x_q, x_scale, None, w, s) for w, s in zip(weights, sections)]
+            differing = differing_outputs(calls[0], paths) if compare else None
+            times = ab(calls, paths)
+            report(f"fused-{pattern[:5]}", f"1% M={m:<2d} {n}x{k}", times, bf16, rows, differing, M=m, N=n, K=k,
+                   pattern=pattern)
         del weights, sections
         torch.cuda.empty_cache()
 
@@ -115,6 +135,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=None,
                     help="dense GEMM shapes as NxK,NxK or 'all' (issue 4's five; default: the four small ones)")
     ap.add_argument("--w8a8", action="store_true", help="time the W8A8 GEMM too (its plan may differ from the printed W4 one)")
+    ap.add_argument("--compare-outputs", action="store_true",
+                    help="also check that both libraries give bit-identical outputs on every case")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     patterns = args.patterns.split(",")
@@ -132,9 +154,9 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []
     if not args.no_gemm:
-        gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows, args.w8a8, shapes)
+        gemm_cases(g, [int(m) for m in args.ms.split(",")], paths, rows, args.w8a8, shapes, args.compare_outputs)
     if not args.no_fused:
-        fused_cases(g, [int(m) for m in args.fused_ms.split(",")], patterns, paths, rows)
+        fused_cases(g, [int(m) for m in args.fused_ms.split(",")], patterns, paths, rows, args.compare_outputs)
     print("\ngeometric mean of baseline / candidate (> 1: the candidate is faster)")
     groups = {}
     for r in rows:

@@ -47,8 +47,8 @@ inline cudaError_t current_device_major(int* major) {
 // what earlier kernels write, and before it writes anything), in clusters of `cluster_z` CTAs
 // along z when that is more than 1 (Hopper only).
 template <class... KArgs, class... Args>
-cudaError_t launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-                             unsigned cluster_z, Args&&... args) {
+cudaError_t launch_in_clusters_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                         bool pdl, unsigned cluster_z, Args&&... args) {
   int major = 0;
   if (pdl) QOQ_RETURN_IF_ERROR(current_device_major(&major));
   cudaLaunchAttribute attr[2];
@@ -66,6 +66,11 @@ cudaError_t launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, si
   config.attrs = attr;
   config.numAttrs = cluster_z > 1 ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+template <class... KArgs, class... Args>
+cudaError_t launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                             Args&&... args) {
+  return launch_in_clusters_maybe_pdl(kernel, grid, block, smem, stream, pdl, 1, std::forward<Args>(args)...);
 }
 
 constexpr int kWarp = 32;

@@ -282,14 +282,15 @@ __device__ __forceinline__ bool reduce_splits(const Params& p, Visit&& visit) {
     }
   });
   if (!arrive_last_split(p)) return false;
+  // The fp32 sums in split order, this CTA's own read back in its place (as stream_epilogue:
+  // the last CTA to arrive varies, and an order that followed it is not deterministic).
 #pragma unroll 1
   for (int z = 0; z < p.splits; ++z) {
-    if (z == static_cast<int>(blockIdx.z)) continue;
     const int32_t* theirs = p.workspace + z * slice;
     visit([&](int m, int n, int& acc, auto&... sparse) {
       if (m < p.M) {
-        acc += __ldcg(theirs + m * ld + n);  // through L2: L1 is not coherent
-        ((sparse += __ldcg(p.sparse_workspace + z * slice + m * ld + n)), ...);
+        if (z != static_cast<int>(blockIdx.z)) acc += __ldcg(theirs + m * ld + n);  // through L2: L1 is not coherent
+        ((sparse = (z == 0 ? 0.f : sparse) + __ldcg(p.sparse_workspace + z * slice + m * ld + n)), ...);
       }
     });
   }

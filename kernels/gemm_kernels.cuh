@@ -133,7 +133,7 @@ cudaError_t launch_stream_shape(const Params& p, cudaStream_t stream) {
     if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     Params q = p;
     q.trace = trace_buffer();
-    return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), 1, q);
+    return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), q);
   };
   bool stage = stage_activations() && p.M >= kStageMinM;
   if constexpr (OUTLIERS) {
@@ -231,7 +231,7 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
       QOQ_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&max_pairs, kernel, &config));
     }
     const unsigned cluster_z = p.splits == 2 && static_cast<int>(grid.x * grid.y) <= max_pairs ? 2 : 1;
-    return launch_maybe_pdl(kernel, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), cluster_z, p, maps);
+    return launch_in_clusters_maybe_pdl(kernel, grid, dim3(S::kThreads), S::kSmem, stream, dependent_launch(), cluster_z, p, maps);
   };
   if constexpr (K == Kind::kProgressive) {
     if (p.x_rowsum != nullptr) return go(std::true_type{});

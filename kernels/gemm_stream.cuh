@@ -535,6 +535,11 @@ __device__ __forceinline__ bool stream_epilogue(const Params& p, const int* tile
     float4 sp = make_float4(0.f, 0.f, 0.f, 0.f);
     if constexpr (OUTLIERS) sp = *reinterpret_cast<const float4*>(sparse_tile + j * T::kPitch + n0 - n_base);
     if (p.splits > 1) {  // every other split's partials in flight at once (through L2: L1 is not coherent)
+      // The fp32 outlier sums are added in split order, this CTA's own (which it wrote to the
+      // workspace above, in this thread) read back in its place: the CTA that arrives last
+      // varies from call to call, and an order that followed it changed the last bit of an
+      // output now and then (benchmarks/library_ab.py --compare-outputs, a library against
+      // itself). INT32 sums are exact in any order.
       int4 w[kMaxSplits];
       float4 f[kMaxSplits];
 #pragma unroll
@@ -542,18 +547,18 @@ __device__ __forceinline__ bool stream_epilogue(const Params& p, const int* tile
         const bool other = z < p.splits && z != static_cast<int>(blockIdx.z);
         const size_t at = z * slice + m * ld + n0;
         w[z] = other ? __ldcg(reinterpret_cast<const int4*>(p.workspace + at)) : make_int4(0, 0, 0, 0);
-        if constexpr (OUTLIERS) f[z] = other ? __ldcg(reinterpret_cast<const float4*>(p.sparse_workspace + at)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        if constexpr (OUTLIERS) f[z] = z < p.splits ? __ldcg(reinterpret_cast<const float4*>(p.sparse_workspace + at)) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      for (int z = kMaxSplits; z < p.splits; ++z) {  // (the plan never splits more than 8 ways)
-        if (z == static_cast<int>(blockIdx.z)) continue;
-        const size_t at = z * slice + m * ld + n0;
-        add4(sum, __ldcg(reinterpret_cast<const int4*>(p.workspace + at)));
-        if constexpr (OUTLIERS) add4(sp, __ldcg(reinterpret_cast<const float4*>(p.sparse_workspace + at)));
-      }
+      if constexpr (OUTLIERS) sp = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int z = 0; z < kMaxSplits; ++z) {
         add4(sum, w[z]);
         if constexpr (OUTLIERS) add4(sp, f[z]);
+      }
+      for (int z = kMaxSplits; z < p.splits; ++z) {  // (the plan never splits more than 8 ways)
+        const size_t at = z * slice + m * ld + n0;
+        if (z != static_cast<int>(blockIdx.z)) add4(sum, __ldcg(reinterpret_cast<const int4*>(p.workspace + at)));
+        if constexpr (OUTLIERS) add4(sp, __ldcg(reinterpret_cast<const float4*>(p.sparse_workspace + at)));
       }
     }
     int a[4] = {sum.x, sum.y, sum.z, sum.w};

@@ -170,7 +170,7 @@ cudaError_t launch_w4a16(const Params& p, cudaStream_t stream) {
   const auto kernel = w4a16_stream_kernel<NB, RT, WK, U, MIN_BLOCKS, OUTLIERS>;
   if constexpr (kSmem > 0) QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(ceil_div(p.NT, RT), ceil_div(p.M, 8 * NB), p.splits);
-  return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), 1, p);
+  return launch_maybe_pdl(kernel, grid, dim3(RT * WK * kWarp), kSmem, stream, dependent_launch(), p);
 }
 
 template <bool OUTLIERS>
