@@ -1,1 +1,24 @@
-"""CUDA kernels: sources (*.cu, *.cuh) and their build (build.py)."""
+"""CUDA kernels: sources (*.cu, *.cuh) and their build (build.py), installed as qoqtool.kernels.
+
+Run from the checkout's root (``python -m pytest``, ``python -m qoqtool``), Python also finds
+this folder as a top-level package named ``kernels`` - the name of Hugging Face's kernel hub
+package, which transformers (>= 5.25) imports whenever it is installed. So when this file is
+imported under that name, it hands the name over to the installed package (or to nothing, as
+if the folder were not there) instead of standing in for it.
+"""
+
+if __name__ == "kernels":
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        __name__, [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None:
+        raise ModuleNotFoundError(f"No module named {__name__!r} (this checkout's kernels/ is qoqtool.kernels)",
+                                  name=__name__)
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules[__name__] = _module  # what the import statement returns once this file is done
+    _spec.loader.exec_module(_module)

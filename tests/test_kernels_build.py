@@ -24,6 +24,16 @@ def test_importing_the_ops_builds_and_loads_nothing():
     subprocess.run([sys.executable, "-c", probe], check=True)
 
 
+def test_the_kernel_folder_is_not_the_top_level_kernels_package():
+    """From the checkout's root (where `python -m pytest` puts it on sys.path) `import kernels`
+    means Hugging Face's kernel hub package, which transformers imports when it is installed, or
+    nothing: never this checkout's kernels/ folder (qoqtool.kernels)."""
+    probe = ("import os, sys\n"
+             "try:\n    import kernels\nexcept ModuleNotFoundError:\n    sys.exit(0)\n"
+             "assert os.path.dirname(os.path.abspath(kernels.__file__)) != sys.argv[1], kernels.__file__")
+    subprocess.run([sys.executable, "-c", probe, str(build.KERNEL_DIR)], check=True, cwd=build.KERNEL_DIR.parent)
+
+
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc is not installed: the benchmark CUDA sources cannot be compile-checked")
 @pytest.mark.parametrize("source", sorted((build.KERNEL_DIR.parent / "benchmarks").glob("*.cu")), ids=lambda p: p.name)
 def test_benchmark_cuda_sources_compile(source, tmp_path):
