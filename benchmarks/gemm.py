@@ -420,9 +420,10 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None, kind: str 
         int_mm = time_calls([lambda w=w: torch._int_mm(x_q, w) for w in w8])
         del w8
         auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
-        plans = [auto] + [cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 2, 3, 4, 8)]
-        plans += [cuda_ops.Plan(cuda_ops.WGMMA_K2, 1, s) for s in (1, 2, 3, 4, 8)]
-        plans += [cuda_ops.Plan(cuda_ops.WGMMA_K2_T64, 1, s) for s in (1, 2, 3, 4, 8)]
+        splits = [s for s in (1, 2, 3, 4, 8) if s <= math.ceil(k / 128)]  # (whole 4-k-tile stages)
+        plans = [auto] + [cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in splits]
+        plans += [cuda_ops.Plan(form, tile, s) for form, tile in ((cuda_ops.WGMMA_K2, 1), (cuda_ops.WGMMA_K2_T64, 1),
+                                                                 (cuda_ops.WGMMA_M64, 3)) for s in splits]
         for p in dict.fromkeys(plans):
             us = time_with_plan(p, [lambda w=w: op(x_q, x_scale, x_rowsum, *w, n) for w in weights])
             rows.append({"M": m, "N": n, "K": k, "kind": kind, "plan": p.name(), "tile": p.tile, "splits": p.splits,
@@ -432,7 +433,7 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None, kind: str 
         del weights
         torch.cuda.empty_cache()
     lines = [f"wgmma kernel, {kind} (g{GROUP}): plan's choice and the best of 1-2 warpgroups (or the K2 form, 128 or 64 "
-             "tokens) x 1-8 splits",
+             "tokens, or three 64-row warpgroups) x 1-8 splits",
              f"{'M':>4} {'N x K':>11} | {'bf16':>7} {'int_mm':>7} | {'plan':>26} {'us':>7} | {'best':>26} {'us':>7} | best/bf16"]
     for m, n, k in cases:
         rs = [r for r in rows if (r["M"], r["N"], r["K"]) == (m, n, k)]

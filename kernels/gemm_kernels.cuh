@@ -31,7 +31,8 @@
 //     Its K2 form (kWgmmaK2) gives one 128-row tile four warpgroups: two halves, each with its
 //     own ring, taking alternate stages, and in each half one warpgroup per m16 block; their
 //     sums meet in shared memory before the epilogue. kWgmmaK2T64: the same with 64 tokens per
-//     CTA (m64n64 wgmmas), for M <= 64 and M ~ 128.
+//     CTA (m64n64 wgmmas), for M <= 64 and M ~ 128. kWgmmaM64: three warpgroups of 64 rows (one
+//     m16 block per warp), 192-row CTAs, where 256- and 128-row CTAs fill the SMs badly.
 //     Progressive weights: the group's constants are built once per stage when the group spans
 //     it, and with the tokens' row sums the weights go in as UINT8 + 128 (BIASED; the epilogue
 //     subtracts 128 * rowsum(x)).
@@ -62,8 +63,9 @@ namespace qoq::gemm {
 // kStream: the stream kernel with 8 warps per CTA (2 row tiles x 4 k-slices), two CTAs per SM;
 // kStream1x16 / kStream2x8: 16 warps per CTA (1 x 16, 2 x 8), one CTA per SM - for decode
 // shapes whose row tiles alone fill the GPU, so that K needs no split across CTAs.
-// kWgmmaK2T64: the K2 form with 64 tokens per CTA (m64n64 wgmmas).
-enum class KernelId : int { kStream = 0, kWgmma = 1, kStream1x16 = 2, kStream2x8 = 3, kWgmmaK2 = 4, kWgmmaK2T64 = 5 };
+// kWgmmaK2T64: the K2 form with 64 tokens per CTA (m64n64 wgmmas); kWgmmaM64: warpgroups of
+// 64 rows (one m64 block each), tile = how many (3: 192-row CTAs).
+enum class KernelId : int { kStream = 0, kWgmma = 1, kStream1x16 = 2, kStream2x8 = 3, kWgmmaK2 = 4, kWgmmaK2T64 = 5, kWgmmaM64 = 6 };
 
 // Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
 // (on by default; qoq_gemm_set_dependent_launch): their CTAs start while the previous kernel
@@ -180,9 +182,9 @@ cudaError_t encode_map(CUtensorMap* map, CUtensorMapDataType type, const void* b
   return status == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <Kind K, int WGS, int KS = 1, int BN = 128>
+template <Kind K, int WGS, int KS = 1, int BN = 128, int RPW = 128>
 cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
-  using S = WgmmaShape<K, WGS, KS, BN>;
+  using S = WgmmaShape<K, WGS, KS, BN, RPW>;
   int major = 0;
   QOQ_RETURN_IF_ERROR(current_device_major(&major));
   if (major != 9) return cudaErrorInvalidDeviceFunction;  // wgmma exists only in the sm_90a image
@@ -193,12 +195,12 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
   // Activations [M, Kp] bytes: boxes of 128 tokens x 128 bytes, swizzled for wgmma.
   QOQ_RETURN_IF_ERROR(encode_map<2>(&maps.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.x, {Kp, M}, {Kp}, {128, S::kBN},
                                     CU_TENSOR_MAP_SWIZZLE_128B));
-  // Packed weights [NT, KT, tile words]: boxes of 4 k-tiles x 4*WGS row tiles, copied as stored.
+  // Packed weights [NT, KT, tile words]: boxes of 4 k-tiles x kRT row tiles, copied as stored.
   QOQ_RETURN_IF_ERROR(encode_map<3>(&maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.qweight, {words, KT, NT},
                                     {4 * words, 4 * words * KT}, {static_cast<cuuint32_t>(words), S::kKT, S::kRT},
                                     CU_TENSOR_MAP_SWIZZLE_NONE));
   if constexpr (K == Kind::kProgressive) {
-    // Group parameters [NT, groups, 32 bytes]: the groups of one stage x 4*WGS row tiles.
+    // Group parameters [NT, groups, 32 bytes]: the groups of one stage x kRT row tiles.
     p.groups_per_stage = p.group_shift >= 2 ? 1 : 4 >> p.group_shift;
     const cuuint64_t G = p.groups;
     const cuuint32_t box[3] = {8, static_cast<cuuint32_t>(p.groups_per_stage), S::kRT};
@@ -209,7 +211,7 @@ cudaError_t launch_wgmma(const Params& p_in, cudaStream_t stream) {
   }
   const dim3 grid(ceil_div(p.NT, S::kRT), ceil_div(p.M, S::kBN), p.splits);
   auto go = [&](auto biased) {  // progressive with the tokens' row sums: the UINT8 form (wgmma_kernel's BIASED)
-    const auto kernel = wgmma_kernel<K, WGS, KS, decltype(biased)::value, BN>;
+    const auto kernel = wgmma_kernel<K, WGS, KS, decltype(biased)::value, BN, RPW>;
     QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem));
     // Two splits go out as clusters of two CTAs, whose epilogue adds the partner's partials
     // through distributed shared memory (wgmma_epilogue), when all of the grid's pairs fit on
@@ -267,13 +269,15 @@ cudaError_t launch_stream_kernel(const Params& p, int kernel, int tile, cudaStre
 // kernel/tile as chosen by qoqtool.runtime.cuda_ops.plan: stream with NB = tile (1, 2, 4, 8),
 // wgmma with WGS = tile (1, 2), wgmma with two halves of warpgroups splitting the stages of
 // one 128-row tile (kWgmmaK2, tile 1: four warpgroups, two per half, one m16 block each) with
-// 128 or 64 (kWgmmaK2T64) tokens, the 16-warp stream shapes with NB = tile (1, 2).
+// 128 or 64 (kWgmmaK2T64) tokens, wgmma with tile (3) warpgroups of 64 rows (kWgmmaM64), the
+// 16-warp stream shapes with NB = tile (1, 2).
 template <Kind K>
 cudaError_t launch(const Params& p, int kernel, int tile, cudaStream_t stream) {
   if (p.M <= 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > p.KT) return cudaErrorInvalidValue;
   if (kernel == static_cast<int>(KernelId::kWgmmaK2)) return tile == 1 ? launch_wgmma<K, 1, 2>(p, stream) : cudaErrorInvalidValue;
   if (kernel == static_cast<int>(KernelId::kWgmmaK2T64)) return tile == 1 ? launch_wgmma<K, 1, 2, 64>(p, stream) : cudaErrorInvalidValue;
+  if (kernel == static_cast<int>(KernelId::kWgmmaM64)) return tile == 3 ? launch_wgmma<K, 3, 1, 128, 64>(p, stream) : cudaErrorInvalidValue;
   if (kernel != static_cast<int>(KernelId::kWgmma)) return launch_stream_kernel<K, false>(p, kernel, tile, stream);
   switch (tile) {
     case 1: return launch_wgmma<K, 1>(p, stream);

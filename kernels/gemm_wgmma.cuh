@@ -17,7 +17,8 @@ namespace qoq::gemm {
 // 128-byte swizzle, so a stage's activations are one TMA box of BN tokens x 128 bytes,
 // swizzled by the copy engine as wgmma wants them. Per stage, shared memory holds
 //   [activations BN x 128 B, swizzled][weights: row tile x k-tile x lane x 16 B, the packed
-//    order][progressive: scale1 box, z*s1 box: row tile x group x 32 B]
+//    order][progressive: scale1 box, z*s1 box (each in its half of the space for 4 groups): row
+//    tile x group x 32 B]
 // all brought by TMA (rows and k-tiles past the end arrive as zeros). Thread 0 issues the
 // copies S-1 stages ahead (the first stage's weights before the dependent-launch wait) and
 // they complete on the stage's `full` mbarrier; each warp arrives on the stage's `empty`
@@ -48,19 +49,29 @@ namespace qoq::gemm {
 // split. H200 (benchmarks/gemm.py --explore-wgmma, notes-gemm.md, version 18): 1.14-1.27x the
 // best 128-token choice at M = 64 on five shapes, 1.11x at M = 128 on 4096^2; from M = 256 the
 // 128-token forms are as fast or faster.
+//
+// RPW = 64 (kernel id kWgmmaM64, KS = 1): warpgroups of 64 rows - one m64 block each, one
+// wgmma per k-tile - so a CTA of WGS = 3 warpgroups holds 6 row tiles (192 rows; warp v
+// multiplies m16 block v % 2 of row tile v / 2, warpgroup q rows 64q .. 64q + 63), all of them
+// walking every stage of one pipeline. Why: a 256-row CTA of two row warpgroups leaves SMs
+// idle where the row count does not fill them (11008 x 4096 at M = 256: 86 CTAs for 132 SMs),
+// and 128-row CTAs (172) need a second wave; 192-row CTAs give 116.
 
 struct TmaMaps {
   CUtensorMap x, w, s1, zs1;  // s1/zs1 only for progressive weights
 };
 
-template <Kind K, int WGS, int KS = 1, int BN = 128>
+template <Kind K, int WGS, int KS = 1, int BN = 128, int RPW = 128>
 struct WgmmaShape {
-  static_assert(KS == 1 || (KS == 2 && WGS == 1), "a K split of one 128-row tile");
+  static_assert(KS == 1 || (KS == 2 && WGS == 1 && RPW == 128), "a K split of one 128-row tile");
   static_assert(BN == 128 || (BN == 64 && KS == 2), "64-token tiles: the K2 form only");
-  static constexpr int kBS = KS;            // the K2 form splits each half's rows by m16 block too
+  static_assert(RPW == 128 || (RPW == 64 && KS == 1 && BN == 128), "64-row warpgroups: one pipeline, 128 tokens");
+  // A warp multiplies one m16 block of its row tile (the K2 form, whose halves split their rows
+  // by block too, and the 64-row warpgroups) or both.
+  static constexpr int kBS = RPW == 64 ? 2 : KS;
   static constexpr int kBlocks = 2 / kBS;   // m64 blocks (wgmma accumulators) per warpgroup
   static constexpr int kBN = BN;       // tokens per CTA
-  static constexpr int kRT = 4 * WGS;  // row tiles per CTA
+  static constexpr int kRT = WGS * RPW / 32;  // row tiles per CTA
   static constexpr int kKT = 4;        // k-tiles per stage
   static constexpr int kXBytes = kBN * 128;
   static constexpr int kWBytes = kRT * kKT * 32 * kLaneBytes<K>;
@@ -73,9 +84,17 @@ struct WgmmaShape {
   static constexpr int kStages = (kFit < kMaxStages ? kFit : kMaxStages) / KS * KS;
   static constexpr int kRing = kStages / KS;             // the slots of one warpgroup's pipeline
   static constexpr int kSmem = kStages * kStage + 1024;  // + 1024: the base is rounded up to 1024
-  static constexpr int kThreads = WGS * KS * kBS * 128;
-  static constexpr int kConsumerWarps = 4 * WGS * kBS;   // the warps that read one stage (its `empty` count)
+  static constexpr int kThreads = RPW == 64 ? WGS * 128 : WGS * KS * kBS * 128;
+  static constexpr int kConsumerWarps = RPW == 64 ? 4 * WGS : 4 * WGS * kBS;  // the warps that read one stage (its `empty` count)
   static_assert(kRing >= 3, "each pipeline needs three stages");
+
+  // Where warp `warp` works: its K half (KS = 2), its m16 block (kBS = 2) and its row tile.
+  // K2: warp = (half kBS + block) 4 WGS + row tile; 64-row warpgroups: warp = 2 row tile + block.
+  __device__ __forceinline__ static int half_of(int warp) { return KS == 1 ? 0 : warp / (4 * WGS * kBS); }
+  __device__ __forceinline__ static int block_of(int warp) {
+    return kBS == 1 ? 0 : RPW == 64 ? warp % 2 : (warp / (4 * WGS)) % kBS;
+  }
+  __device__ __forceinline__ static int tile_of(int warp) { return RPW == 64 ? warp / 2 : warp % kRT; }
 };
 
 // The wgmma kernel's split-K and epilogue go through shared memory. A lane's accumulators
@@ -87,24 +106,26 @@ struct WgmmaShape {
 // [rows] INT32 tile, each thread owns instead 32 chunks of 4 consecutive rows of one token
 // (tokens 4 apart): partial sums move as coalesced 16-byte loads and stores, 16 in flight
 // at once, and the scales are read before anything is stored.
-template <int WGS, int KS = 1, int BN = 128>
+template <class S>  // a WgmmaShape
 struct WgmmaStaging {
-  static constexpr int kBS = KS;                         // as WgmmaShape
-  static constexpr int kRows = 128 * WGS;                // rows of the CTA's tile
+  static constexpr int kRows = S::kRT * 32;              // rows of the CTA's tile
   static constexpr int kPitch = kRows + 4;               // words per token: +4 puts a warp's 32 staging stores on 32 banks
   static constexpr int kChunks = kRows / 4;              // 16-byte chunks per token
-  static constexpr int kTokenStep = 128 * WGS * KS * kBS / kChunks;  // = 4 (KS = 2: 16) tokens per pass of the CTA's threads
-  static constexpr int kPasses = BN / kTokenStep;        // = 32 (8; BN = 64: 4) chunks per thread
-  static constexpr int kBytes = BN * kPitch * 4;
+  static constexpr int kTokenStep = S::kThreads / kChunks;  // = 4 (K2: 16; 64-row warpgroups: 8) tokens per pass of the CTA's threads
+  static constexpr int kPasses = S::kBN / kTokenStep;    // = 32 (8; BN = 64: 4; 64-row warpgroups: 16) chunks per thread
+  static constexpr int kBytes = S::kBN * kPitch * 4;
+  static_assert(S::kThreads % kChunks == 0, "every pass covers whole tokens");
 };
 
-template <Kind K, int WGS, int KS = 1, bool BIASED = false, int BN = 128>
-__device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[2 / KS][BN / 2], int* tile, int m0, int nt0) {
-  using T = WgmmaStaging<WGS, KS, BN>;
-  constexpr int BS = T::kBS, kBlocks = 2 / BS;
+template <Kind K, int WGS, int KS = 1, bool BIASED = false, int BN = 128, int RPW = 128>
+__device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)[WgmmaShape<K, WGS, KS, BN, RPW>::kBlocks][BN / 2],
+                                               int* tile, int m0, int nt0) {
+  using S = WgmmaShape<K, WGS, KS, BN, RPW>;
+  using T = WgmmaStaging<S>;
+  constexpr int BS = S::kBS, kBlocks = S::kBlocks;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
-  // KS = 2: which K half and which m16 block (KS = 1: both blocks); the warp's row tile.
-  const int wg = warp / (4 * WGS), kq = wg / BS, blk0 = wg % BS, rw = warp % (4 * WGS);
+  // KS = 2: which K half; the warp's first m16 block (both when kBlocks = 2) and its row tile.
+  const int kq = S::half_of(warp), blk0 = S::block_of(warp), rw = S::tile_of(warp);
   auto at = [&](int b, int i) { return (8 * (i >> 2) + 2 * t + (i & 1)) * T::kPitch + 32 * rw + 16 * (blk0 + b) + g + 8 * ((i >> 1) & 1); };
   if (kq == KS - 1) {  // KS = 2: the second half's sums first, then the first half adds its own
 #pragma unroll
@@ -167,7 +188,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   // 4 with 64 tokens): the other splits' partials (kBlock loads in flight per split) and the
   // tokens' scales are all read before the block's stores. Paired, the thread's passes
   // [rank * kPasses / 2, ...) only, in blocks of at most that many.
-  constexpr int kBlock = BS == 2 ? (T::kPasses < 8 ? T::kPasses : 8) : 16;
+  constexpr int kBlock = BS == 2 && RPW == 128 ? (T::kPasses < 8 ? T::kPasses : 8) : 16;
   static_assert(T::kPasses % kBlock == 0 && T::kPasses % 2 == 0, "whole blocks of tokens");
   // `checked` false: fp16 out, whole chunks and every token of the tile inside M (the
   // CTA-uniform common case), so the passes carry no bounds test, no branch on the output's
@@ -269,11 +290,11 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
 // per group 1.04x at M = 256, 1.05x at M = 1024). A kernel of its own rather than a branch in the
 // stage loop: with four stage variants in one kernel, ptxas serialized the wgmmas for want of
 // registers (its C7511 note).
-template <Kind K, int WGS, int KS = 1, bool BIASED = false, int BN = 128>
-__global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
+template <Kind K, int WGS, int KS = 1, bool BIASED = false, int BN = 128, int RPW = 128>
+__global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) wgmma_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if QOQ_HAS_WGMMA
   static_assert(!BIASED || K == Kind::kProgressive, "only progressive weights are biased");
-  using S = WgmmaShape<K, WGS, KS, BN>;
+  using S = WgmmaShape<K, WGS, KS, BN, RPW>;
   constexpr int BS = S::kBS;
   constexpr int kBytes = kLaneBytes<K>;
   extern __shared__ uint8_t smem_raw[];
@@ -289,13 +310,18 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
   const int st_begin = split_begin(stages, blockIdx.z, p.splits), n_stages = split_begin(stages, blockIdx.z + 1, p.splits) - st_begin;
   const int kt_begin = st_begin * S::kKT;
   // This warp's pipeline (KS = 2: half q takes the split's stages q, q + KS, ...; its slots
-  // are q * kRing .. + kRing - 1), the thread that issues its copies, and its stages; KS = 2:
-  // the m16 block its warpgroup multiplies. Warp = (kq BS + blk) 4 WGS + its row tile rt.
-  const int kq = KS == 1 ? 0 : warp / (4 * WGS * BS), blk = BS == 1 ? 0 : (warp / (4 * WGS)) % BS;
+  // are q * kRing .. + kRing - 1), the thread that issues its copies, and its stages; BS = 2:
+  // the m16 block it multiplies (WgmmaShape::half_of, block_of, tile_of).
+  const int kq = S::half_of(warp), blk = S::block_of(warp);
   const int lead = kq * 128 * BS, mine = KS == 1 ? n_stages : (n_stages - kq + KS - 1) / KS;
   auto slot = [&](int j) { return kq * S::kRing + j % S::kRing; };
   const int gps = p.groups_per_stage;
   const uint32_t param_box = S::kRT * gps * 32;  // bytes of one parameter box
+  // The z * s1 box sits half the parameter space after the s1 box: TMA writes only to 128-byte
+  // aligned shared memory, and one box of kRT row tiles x 32 bytes (g128 and coarser: one group
+  // a stage) is 192 bytes with the 6 row tiles of 64-row warpgroups.
+  constexpr uint32_t kZs1At = S::kPBytes / 2;
+  static_assert(kZs1At % 128 == 0, "the z * s1 box starts 128-byte aligned");
   const uint32_t tx_bytes = S::kXBytes + S::kWBytes + (K == Kind::kProgressive ? 2 * param_box : 0);
 
   pdl_launch_dependents();  // the next kernel may start; it waits for us before it reads our output
@@ -321,7 +347,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
     if constexpr (K == Kind::kProgressive) {
       const int grp0 = kt0 >> p.group_shift;
       tma_load_3d(base + S::kXBytes + S::kWBytes, &maps.s1, 0, grp0, nt0, bar);
-      tma_load_3d(base + S::kXBytes + S::kWBytes + param_box, &maps.zs1, 0, grp0, nt0, bar);
+      tma_load_3d(base + S::kXBytes + S::kWBytes + kZs1At, &maps.zs1, 0, grp0, nt0, bar);
     }
   };
   auto issue_x = [&](int j) { tma_load_2d(smem + slot(j) * S::kStage, &maps.x, stage_k(j) * 32, m0, full + 8 * slot(j)); };
@@ -368,7 +394,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
       if (j == 0) issue_x(0);  // its weights went out before the wait
       else issue(j);
     }
-  const int rt = warp % S::kRT;  // this warp's row tile in the CTA (warp w of warpgroup q: 4q + w; KS = 2: w)
+  const int rt = S::tile_of(warp);  // this warp's row tile in the CTA
   for (int j = 0; j < mine; ++j) {
     if (!kRefillAfter) refill(j);  // the slot of stage j - 1, released at the end of iteration j - 1
     mbar_wait(full + 8 * slot(j), (j / S::kRing) & 1);
@@ -395,7 +421,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
       uint32_t s1_word = 0, zs1_word = 0;
       if constexpr (kOneGroup) {
         s1_word = lds_u32(params);
-        zs1_word = lds_u32(params + param_box);
+        zs1_word = lds_u32(params + kZs1At);
       }
       Fragment<K, S::kBlocks> f[S::kKT];
       uint32_t a[S::kKT][S::kBlocks][4];
@@ -405,7 +431,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
         if constexpr (K == Kind::kProgressive) {
           // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
           f[kk].s1 = kOneGroup ? s1_word : lds_u32(params + (kk >> p.group_shift) * 32);
-          f[kk].zs1 = kOneGroup ? zs1_word : lds_u32(params + (kk >> p.group_shift) * 32 + param_box);
+          f[kk].zs1 = kOneGroup ? zs1_word : lds_u32(params + (kk >> p.group_shift) * 32 + kZs1At);
         }
       }
 #pragma unroll
@@ -429,8 +455,8 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN>::kThreads, 1) wgmma
     if (kRefillAfter) refill(j);  // this stage's slot, once every warp is done with it
   }
   __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
-  static_assert(S::kStages * S::kStage >= WgmmaStaging<WGS, KS, BN>::kBytes, "the staging tile must fit in the pipeline's slots");
-  wgmma_epilogue<K, WGS, KS, BIASED, BN>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
+  static_assert(S::kStages * S::kStage >= WgmmaStaging<S>::kBytes, "the staging tile must fit in the pipeline's slots");
+  wgmma_epilogue<K, WGS, KS, BIASED, BN, RPW>(p, acc, reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw))), m0, nt0);
 #endif  // QOQ_HAS_WGMMA
 }
 }  // namespace qoq::gemm

@@ -166,10 +166,12 @@ def test_demo_model_shapes_exact(kind, group, n, k, m):
 # The K2 form also at 5 splits of the 6 stages: splits of one stage leave its second
 # warpgroup without work.
 # The wgmma forms with 2 splits: their CTAs go out in pairs (clusters) and exchange partials
-# through shared memory; with 3 or 5 through the workspace.
+# through shared memory; with 3 or 5 through the workspace. The 192-row CTAs of three 64-row
+# warpgroups leave the last one 2 of its 6 row tiles.
 FORCED = [cuda_ops.Plan(cuda_ops.STREAM, nb, s) for nb in (1, 2, 4, 8) for s in (1, 3)] + [
     cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in (1, 2, 3)
 ] + [cuda_ops.Plan(k2, 1, s) for k2 in (cuda_ops.WGMMA_K2, cuda_ops.WGMMA_K2_T64) for s in (1, 2, 3, 5)] + [
+    cuda_ops.Plan(cuda_ops.WGMMA_M64, 3, s) for s in (1, 2, 3)] + [
     cuda_ops.Plan(wide, nb, s) for wide in (cuda_ops.STREAM_1X16, cuda_ops.STREAM_2X8) for nb in (1, 2) for s in (1, 3)]
 
 
@@ -197,6 +199,7 @@ def test_every_configuration_exact(kind, forced, monkeypatch):
     check_gemm(kind, 100, 998, 736, 32)  # N % 4 != 0: the epilogues' per-row stores instead of vector ones
     if forced.kernel in cuda_ops.WGMMA_KERNELS:
         check_gemm(kind, 256, 1000, 736, 32)  # whole token tiles: the wgmma epilogue's unchecked form
+        check_gemm(kind, 100, 1000, 736, 128)  # one group a stage: parameter boxes of 32 bytes per row tile
 
 
 @pytest.fixture
@@ -507,7 +510,8 @@ def test_plan_covers_the_gpu(m, n, k):
 # The fastest configuration measured on the H200 for these cases (benchmarks/notes-gemm.md:
 # the stream rows from version 9's --stage-ab (splits) and --explore-wide (16-warp CTAs), the
 # wgmma rows from version 18's --explore-wgmma (M = 24..512, with the 64-token K2 form) and
-# version 17's (M = 512 on 8192^2, M = 1024), which timed every warpgroup x split choice): the
+# version 17's (M = 512 on 8192^2, M = 1024), which timed every warpgroup x split choice, and
+# version 27's for the 192-row form (benchmarks/results/gemm-v27-h200/m64-explore*.txt)): the
 # plan must keep picking it. (Not pinned: version 17's cases where the plan takes a choice up to
 # 1.09x slower; M = 1024 on 14336 x 4096 is one, two row warpgroups and the K2 form within 0.1%
 # there.)
@@ -540,8 +544,12 @@ MEASURED_BEST = [  # (M, N, K, kernel, tile, splits)
     (256, 4096, 11008, cuda_ops.WGMMA_K2, 1, 2),
     (64, 11008, 4096, cuda_ops.WGMMA_K2_T64, 1, 1),
     (128, 11008, 4096, cuda_ops.WGMMA_K2, 1, 1),
-    (256, 11008, 4096, cuda_ops.WGMMA, 2, 1),   # three splits took 1.23x as long (the partials' round trip)
+    (256, 11008, 4096, cuda_ops.WGMMA_M64, 3, 1),  # 116 CTAs of 192 rows: 1.10x (g128) / 1.14x the 86 of 256 rows (2026-12-04)
     (1024, 4096, 11008, cuda_ops.WGMMA, 2, 1),
+    (384, 8192, 8192, cuda_ops.WGMMA_M64, 3, 1),
+    (384, 4096, 11008, cuda_ops.WGMMA_M64, 3, 2),
+    (768, 4096, 14336, cuda_ops.WGMMA_M64, 3, 1),
+    (512, 5120, 5120, cuda_ops.WGMMA_M64, 3, 1),
 ]
 
 
@@ -554,7 +562,7 @@ def test_plan_picks_the_measured_best(m, n, k, kernel, tile, splits):
     cuda_ops.Plan(cuda_ops.STREAM, 3, 1),   # NB 3
     cuda_ops.Plan(cuda_ops.STREAM, 1, 0),   # no split
     cuda_ops.Plan(cuda_ops.STREAM, 1, 24),  # more splits than k-tiles
-    cuda_ops.Plan(6, 1, 1),                 # no such kernel
+    cuda_ops.Plan(7, 1, 1),                 # no such kernel
     cuda_ops.Plan(cuda_ops.WGMMA_K2_T64, 2, 1),  # the K2 form has one 128-row tile
     cuda_ops.Plan(cuda_ops.WGMMA_K2, 2, 1), # the K2 form has one 128-row tile
     cuda_ops.Plan(cuda_ops.STREAM_1X16, 4, 1),  # 16-warp stream CTAs exist for NB = 1, 2 only

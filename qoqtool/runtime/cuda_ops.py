@@ -123,13 +123,14 @@ def _call(name: str, *args) -> None:
 
 
 # -- tile configuration by M ------------------------------------------------------------------
-STREAM, WGMMA, STREAM_1X16, STREAM_2X8, WGMMA_K2, WGMMA_K2_T64 = 0, 1, 2, 3, 4, 5  # kernel ids (KernelId of kernels/gemm_kernels.cuh)
+STREAM, WGMMA, STREAM_1X16, STREAM_2X8, WGMMA_K2, WGMMA_K2_T64, WGMMA_M64 = 0, 1, 2, 3, 4, 5, 6  # kernel ids (KernelId of kernels/gemm_kernels.cuh)
 KERNEL_NAMES = {STREAM: "stream", WGMMA: "wgmma", STREAM_1X16: "stream1x16", STREAM_2X8: "stream2x8", WGMMA_K2: "wgmma_k2",
-                WGMMA_K2_T64: "wgmma_k2t64"}
+                WGMMA_K2_T64: "wgmma_k2t64", WGMMA_M64: "wgmma_m64"}
 # The Hopper-only kernels (sm_90a). WGMMA_K2: one 128-row tile, two halves of warpgroups taking
 # alternate stages (and in each half one warpgroup per m16 block); WGMMA_K2_T64 the same with 64
-# tokens per CTA instead of 128.
-WGMMA_KERNELS = (WGMMA, WGMMA_K2, WGMMA_K2_T64)
+# tokens per CTA instead of 128; WGMMA_M64: `tile` warpgroups of 64 rows each (one m16 block per
+# warp), 192-row CTAs with tile 3.
+WGMMA_KERNELS = (WGMMA, WGMMA_K2, WGMMA_K2_T64, WGMMA_M64)
 # The stream kernel's CTA shapes: (row tiles, k-slice warps) by kernel id (launch_stream_shape).
 _STREAM_SHAPES = {STREAM: (2, 4), STREAM_1X16: (1, 16), STREAM_2X8: (2, 8)}
 
@@ -166,7 +167,15 @@ _WGMMA_NB4_MIN_BYTES = 12 << 20
 # model before version 14) picked 23% slower choices where the partials are large (M = 256,
 # N = 11008: three splits of two warpgroups).
 _WGMMA_WAVE_US = 2.026
-_WGMMA_STAGE_US = {(WGMMA, 1): 0.825, (WGMMA, 2): 0.981, (WGMMA_K2, 1): 1.057, (WGMMA_K2_T64, 1): 0.827}
+# The 192-row CTAs of three 64-row warpgroups (WGMMA_M64, 3; 2026-12-04) are not in that sweep:
+# their stage cost is set from the one case where they were measured the best, 11008 x 4096 at
+# M = 256 (0.907x the time of the two row warpgroups' 86 CTAs, per group; 0.878x per channel;
+# benchmarks/results/gemm-v27-h200/m64-explore*.txt), at the same ratio to that form's modelled
+# time there. The least efficient form per row, the model takes it only where its grid needs
+# fewer waves: it moved none of the other choices timed that day, and wherever it takes the
+# form (17 cases timed, M = 128-4096) the form was the measured best (m64-plan-check*.txt).
+_WGMMA_STAGE_US = {(WGMMA, 1): 0.825, (WGMMA, 2): 0.981, (WGMMA_K2, 1): 1.057, (WGMMA_K2_T64, 1): 0.827,
+                   (WGMMA_M64, 3): 0.884}
 _WGMMA_SPLIT_US, _WGMMA_SPLIT_US_PER_MB = 0.973, 0.594
 MAX_SPLITS = 8
 
@@ -174,7 +183,8 @@ MAX_SPLITS = 8
 @dataclass(frozen=True)
 class Plan:
     """Which kernel runs a GEMM: `tile` is NB (stream: 8*NB tokens per CTA), WGS (wgmma:
-    warpgroups of 128 rows per CTA); `splits` > 1 splits K across CTAs (one launch)."""
+    warpgroups of 128 rows per CTA, WGMMA_M64: of 64 rows); `splits` > 1 splits K across CTAs
+    (one launch)."""
 
     kernel: int
     tile: int
@@ -185,7 +195,8 @@ class Plan:
         if self.kernel in _STREAM_SHAPES:
             return math.ceil(n_tiles / _STREAM_SHAPES[self.kernel][0]) * math.ceil(m / (8 * self.tile))
         tokens = 64 if self.kernel == WGMMA_K2_T64 else _WGMMA_TOKENS
-        return math.ceil(n_tiles / (_WGMMA_ROW_TILES_PER_WG * self.tile)) * math.ceil(m / tokens)
+        row_tiles = (2 if self.kernel == WGMMA_M64 else _WGMMA_ROW_TILES_PER_WG) * self.tile
+        return math.ceil(n_tiles / row_tiles) * math.ceil(m / tokens)
 
     def name(self) -> str:
         return f"{KERNEL_NAMES[self.kernel]} tile={self.tile} splits={self.splits}"
@@ -193,7 +204,8 @@ class Plan:
 
 def check_plan(p: Plan, k_tiles: int) -> None:
     """A plan the library can launch (PLAN_OVERRIDE may hold any): raise ValueError if not."""
-    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2), STREAM_1X16: (1, 2), STREAM_2X8: (1, 2), WGMMA_K2: (1,), WGMMA_K2_T64: (1,)}
+    tiles = {STREAM: (1, 2, 4, 8), WGMMA: (1, 2), STREAM_1X16: (1, 2), STREAM_2X8: (1, 2), WGMMA_K2: (1,), WGMMA_K2_T64: (1,),
+             WGMMA_M64: (3,)}
     if p.kernel not in tiles or p.tile not in tiles[p.kernel]:
         raise ValueError(f"no kernel {p.kernel} with tile {p.tile}: kernels and tiles are {tiles}")
     most = math.ceil(k_tiles / 4) if p.kernel in WGMMA_KERNELS else k_tiles  # wgmma splits whole 4-k-tile stages
@@ -225,14 +237,15 @@ def plan(m: int, n_tiles: int, k_tiles: int, sms: int, hopper: bool, wide: bool 
     1.05-1.11x on 4096 x 14336, 1.02-1.10x on 8192 x 8192; where they would need two waves
     (14336 x 4096) they were 0.76-0.84x, and the plan keeps the 8-warp CTAs there.
     M > 32 on Hopper (and M = 17..32 as above): the wgmma kernel, one CTA per multiprocessor,
-    128 tokens per CTA with 1 or 2 warpgroups of 128 rows each, or the K2 form (128 rows, two
-    halves of warpgroups taking alternate stages, one warpgroup per m16 block in each) with 128
-    or 64 tokens, and 1..8 K splits (whole pipeline stages): the least time in a model fitted
-    to the measurements (_WGMMA_*: waves x (fixed + stages a warpgroup walks x cost per stage)
-    + cost per extra split, growing with the output). On its sweep (20 choices x 14 cases,
-    M = 64..512 on five shapes) it picks the fastest in all 14: the 64-token K2 form at M = 64
-    (1.14-1.27x the 128-token forms) and at M = 128 on 4096 x 4096, the 128-token forms from
-    M = 256.
+    128 tokens per CTA with 1 or 2 warpgroups of 128 rows each, or 3 of 64 rows (192-row CTAs),
+    or the K2 form (128 rows, two halves of warpgroups taking alternate stages, one warpgroup per
+    m16 block in each) with 128 or 64 tokens, and 1..8 K splits (whole pipeline stages): the
+    least time in a model fitted to the measurements (_WGMMA_*: waves x (fixed + stages a
+    warpgroup walks x cost per stage) + cost per extra split, growing with the output). On its
+    sweep (20 choices x 14 cases, M = 64..512 on five shapes) it picks the fastest in all 14:
+    the 64-token K2 form at M = 64 (1.14-1.27x the 128-token forms) and at M = 128 on 4096 x
+    4096, the 128-token forms from M = 256; the 192-row CTAs where their grid needs fewer waves
+    (11008 x 4096 at M = 256: 1.10x; the best of 25 choices on all 17 cases timed).
     """
     nb4_on_wgmma = (hopper and weight_bits == 4 and stream_tile(m) == 4
                     and n_tiles * k_tiles * 512 >= _WGMMA_NB4_MIN_BYTES)  # 512 B of W4 codes a tile
