@@ -24,14 +24,23 @@ def test_importing_the_ops_builds_and_loads_nothing():
     subprocess.run([sys.executable, "-c", probe], check=True)
 
 
-def test_the_kernel_folder_is_not_the_top_level_kernels_package():
+def test_the_kernel_folder_does_not_hide_an_installed_kernels_package():
     """From the checkout's root (where `python -m pytest` puts it on sys.path) `import kernels`
-    means Hugging Face's kernel hub package, which transformers imports when it is installed, or
-    nothing: never this checkout's kernels/ folder (qoqtool.kernels)."""
-    probe = ("import os, sys\n"
-             "try:\n    import kernels\nexcept ModuleNotFoundError:\n    sys.exit(0)\n"
-             "assert os.path.dirname(os.path.abspath(kernels.__file__)) != sys.argv[1], kernels.__file__")
+    means Hugging Face's kernel hub package, which transformers >= 5.25 imports, not this
+    checkout's kernels/ folder (qoqtool.kernels); with no such package installed it stays the folder,
+    importable and without a version, as transformers' probe for the hub package expects."""
+    probe = ("import importlib.metadata, os, sys, kernels\n"
+             "ours = os.path.dirname(os.path.abspath(kernels.__file__)) == sys.argv[1]\n"
+             "try:\n    importlib.metadata.version('kernels')\nexcept importlib.metadata.PackageNotFoundError:\n"
+             "    assert ours and not hasattr(kernels, '__version__'), kernels.__file__\n"
+             "else:\n    assert not ours, kernels.__file__\n")
     subprocess.run([sys.executable, "-c", probe, str(build.KERNEL_DIR)], check=True, cwd=build.KERNEL_DIR.parent)
+    # Without the installed package on the path (as on a machine with transformers < 5.25).
+    hidden = ("import os, sys\n"
+              "sys.path = [p for p in sys.path if 'site-packages' not in p and 'dist-packages' not in p]\n"
+              "import kernels\n"
+              "assert os.path.dirname(os.path.abspath(kernels.__file__)) == sys.argv[1], kernels.__file__\n")
+    subprocess.run([sys.executable, "-S", "-c", hidden, str(build.KERNEL_DIR)], check=True, cwd=build.KERNEL_DIR.parent)
 
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc is not installed: the benchmark CUDA sources cannot be compile-checked")
