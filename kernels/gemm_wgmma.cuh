@@ -84,15 +84,15 @@ struct WgmmaShape {
   static constexpr int kStages = (kFit < kMaxStages ? kFit : kMaxStages) / KS * KS;
   static constexpr int kRing = kStages / KS;             // the slots of one warpgroup's pipeline
   static constexpr int kSmem = kStages * kStage + 1024;  // + 1024: the base is rounded up to 1024
-  static constexpr int kThreads = RPW == 64 ? WGS * 128 : WGS * KS * kBS * 128;
-  static constexpr int kConsumerWarps = RPW == 64 ? 4 * WGS : 4 * WGS * kBS;  // the warps that read one stage (its `empty` count)
+  static constexpr int kConsumerWarps = kRT * kBS;     // the warps of one pipeline, which read each of its stages (its `empty` count)
+  static constexpr int kThreads = KS * kConsumerWarps * kWarp;
   static_assert(kRing >= 3, "each pipeline needs three stages");
 
   // Where warp `warp` works: its K half (KS = 2), its m16 block (kBS = 2) and its row tile.
-  // K2: warp = (half kBS + block) 4 WGS + row tile; 64-row warpgroups: warp = 2 row tile + block.
-  __device__ __forceinline__ static int half_of(int warp) { return KS == 1 ? 0 : warp / (4 * WGS * kBS); }
+  // K2: warp = (half kBS + block) kRT + row tile; 64-row warpgroups: warp = 2 row tile + block.
+  __device__ __forceinline__ static int half_of(int warp) { return KS == 1 ? 0 : warp / kConsumerWarps; }
   __device__ __forceinline__ static int block_of(int warp) {
-    return kBS == 1 ? 0 : RPW == 64 ? warp % 2 : (warp / (4 * WGS)) % kBS;
+    return kBS == 1 ? 0 : RPW == 64 ? warp % 2 : (warp / kRT) % kBS;
   }
   __device__ __forceinline__ static int tile_of(int warp) { return RPW == 64 ? warp / 2 : warp % kRT; }
 };
@@ -122,7 +122,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
                                                int* tile, int m0, int nt0) {
   using S = WgmmaShape<K, WGS, KS, BN, RPW>;
   using T = WgmmaStaging<S>;
-  constexpr int BS = S::kBS, kBlocks = S::kBlocks;
+  constexpr int kBlocks = S::kBlocks;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t = lane % 4;
   // KS = 2: which K half; the warp's first m16 block (both when kBlocks = 2) and its row tile.
   const int kq = S::half_of(warp), blk0 = S::block_of(warp), rw = S::tile_of(warp);
@@ -188,7 +188,7 @@ __device__ __forceinline__ void wgmma_epilogue(const Params& p, const int (&acc)
   // 4 with 64 tokens): the other splits' partials (kBlock loads in flight per split) and the
   // tokens' scales are all read before the block's stores. Paired, the thread's passes
   // [rank * kPasses / 2, ...) only, in blocks of at most that many.
-  constexpr int kBlock = BS == 2 && RPW == 128 ? (T::kPasses < 8 ? T::kPasses : 8) : 16;
+  constexpr int kBlock = KS == 2 ? (T::kPasses < 8 ? T::kPasses : 8) : 16;
   static_assert(T::kPasses % kBlock == 0 && T::kPasses % 2 == 0, "whole blocks of tokens");
   // `checked` false: fp16 out, whole chunks and every token of the tile inside M (the
   // CTA-uniform common case), so the passes carry no bounds test, no branch on the output's
@@ -295,7 +295,6 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
 #if QOQ_HAS_WGMMA
   static_assert(!BIASED || K == Kind::kProgressive, "only progressive weights are biased");
   using S = WgmmaShape<K, WGS, KS, BN, RPW>;
-  constexpr int BS = S::kBS;
   constexpr int kBytes = kLaneBytes<K>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * S::kStages];  // full[0, S), empty[S, 2S)
@@ -310,10 +309,10 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   const int st_begin = split_begin(stages, blockIdx.z, p.splits), n_stages = split_begin(stages, blockIdx.z + 1, p.splits) - st_begin;
   const int kt_begin = st_begin * S::kKT;
   // This warp's pipeline (KS = 2: half q takes the split's stages q, q + KS, ...; its slots
-  // are q * kRing .. + kRing - 1), the thread that issues its copies, and its stages; BS = 2:
-  // the m16 block it multiplies (WgmmaShape::half_of, block_of, tile_of).
+  // are q * kRing .. + kRing - 1), the thread that issues its copies (the first of its warps),
+  // and its stages; kBS = 2: the m16 block it multiplies (WgmmaShape::half_of, block_of, tile_of).
   const int kq = S::half_of(warp), blk = S::block_of(warp);
-  const int lead = kq * 128 * BS, mine = KS == 1 ? n_stages : (n_stages - kq + KS - 1) / KS;
+  const int lead = kq * S::kConsumerWarps * kWarp, mine = KS == 1 ? n_stages : (n_stages - kq + KS - 1) / KS;
   auto slot = [&](int j) { return kq * S::kRing + j % S::kRing; };
   const int gps = p.groups_per_stage;
   const uint32_t param_box = S::kRT * gps * 32;  // bytes of one parameter box
