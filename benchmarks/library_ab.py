@@ -21,7 +21,9 @@ do_bench median) under baseline, candidate, baseline, candidate; each library's 
 kept. Printed: both times, cuBLAS bf16 in the same run, and baseline / candidate (> 1: the
 candidate is faster), with the geometric mean per group of cases. --compare-outputs also runs
 each case's first call once under each library and says whether the two fp16 outputs are
-identical bit for bit (a change that only moves work around must leave them so).
+identical bit for bit (a change that only moves work around must leave them so). --plan
+KERNEL:TILE:SPLITS puts every dense case on that one kernel form (e.g. wgmma_m64:3:1), to time a
+form on shapes the plan gives to others.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def gemm_cases(g, ms, paths, rows, w8a8: bool = False, shapes=SMALL_SHAPES, comp
     if w8a8:  # called as the W4 ops are: (x_q, x_scale, x_rowsum, weights..., N); W8A8 takes no row sums
         op["w8a8"] = lambda x_q, x_scale, x_rowsum, *w: torch.ops.qoqtool.w8a8_gemm(x_q, x_scale, *w)
     for n, k, m, acts, bf16, plan in small_m_cases(g, ms, shapes):
+        plan = cuda_ops.PLAN_OVERRIDE or plan
         for kind in op:
             w8 = kind == "w8a8"
             weights = [w8_operands(n, k, g) if w8 else w4_operands(n, k, kind, g)
@@ -137,8 +140,19 @@ def main() -> None:
     ap.add_argument("--w8a8", action="store_true", help="time the W8A8 GEMM too (its plan may differ from the printed W4 one)")
     ap.add_argument("--compare-outputs", action="store_true",
                     help="also check that both libraries give bit-identical outputs on every case")
+    ap.add_argument("--plan", default=None, metavar="KERNEL:TILE:SPLITS",
+                    help="every dense GEMM on this plan instead of the checkout's choice (e.g. wgmma_m64:3:1), "
+                         "to time one kernel form on shapes the plan gives to others")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
+    if args.plan:
+        try:
+            name, tile, splits = args.plan.split(":")
+            kernel = next(k for k, known in cuda_ops.KERNEL_NAMES.items() if known == name)
+            cuda_ops.PLAN_OVERRIDE = cuda_ops.Plan(kernel, int(tile), int(splits))
+        except (ValueError, StopIteration):
+            ap.error(f"--plan: {args.plan!r}; give KERNEL:TILE:SPLITS with KERNEL one of "
+                     f"{', '.join(cuda_ops.KERNEL_NAMES.values())} (e.g. wgmma_m64:3:1)")
     patterns = args.patterns.split(",")
     if not set(patterns) <= set(PATTERNS):
         ap.error(f"--patterns: {args.patterns!r}; choose from {','.join(PATTERNS)}")

@@ -55,7 +55,8 @@ namespace qoq::gemm {
 // multiplies m16 block v % 2 of row tile v / 2, warpgroup q rows 64q .. 64q + 63), all of them
 // walking every stage of one pipeline. Why: a 256-row CTA of two row warpgroups leaves SMs
 // idle where the row count does not fill them (11008 x 4096 at M = 256: 86 CTAs for 132 SMs),
-// and 128-row CTAs (172) need a second wave; 192-row CTAs give 116.
+// and 128-row CTAs (172) need a second wave; 192-row CTAs give 116. With progressive weights
+// each warpgroup takes two stages an iteration (kStep in the kernel).
 
 struct TmaMaps {
   CUtensorMap x, w, s1, zs1;  // s1/zs1 only for progressive weights
@@ -368,7 +369,16 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   // M = 1024 on 14336 x 4096), while the forms with one pipeline per CTA (six slots) lose
   // 2-4% to the lead warp waiting for the slowest one after each stage.
   constexpr bool kRefillAfter = KS == 2;
-  constexpr int kAhead = kRefillAfter ? S::kRing : S::kRing - 1;  // how far ahead a refill goes
+  // kStep stages an iteration: 2 for progressive weights on 64-row warpgroups - both stages'
+  // A operands written, one fence, 8 wgmmas, one commit and one wait, so the chain's fixed part
+  // (the barrier waits, the fence, the wgmmas' drain) is paid once for two stages and the
+  // dequantization of eight k-tiles overlaps its shared-memory loads. H200 (benchmarks/
+  // library_ab.py --plan wgmma_m64:3:1, five shapes): per group 1.04-1.05x at M = 128-1024. Not
+  // elsewhere: per channel (masks only) it lost 2-5% on every one-pipeline form, and
+  // progressive weights on 128-row warpgroups or the K2 form (128 accumulators, or 128
+  // registers a thread) made ptxas serialize the wgmmas (its C7511 note) or spill.
+  constexpr int kStep = K == Kind::kProgressive && KS == 1 && S::kBlocks == 1 && S::kRing >= 5 ? 2 : 1;
+  constexpr int kAhead = kRefillAfter ? S::kRing : S::kRing - kStep;  // how far ahead a refill goes
   const int filled = min(kAhead, mine);
   // The lead thread's refill at stage j: stage j + kAhead, into the slot of stage j + kAhead -
   // kRing (j - 1, or kRefillAfter j itself) once every warp of the pipeline has released it.
@@ -394,14 +404,21 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
       else issue(j);
     }
   const int rt = S::tile_of(warp);  // this warp's row tile in the CTA
-  for (int j = 0; j < mine; ++j) {
-    if (!kRefillAfter) refill(j);  // the slot of stage j - 1, released at the end of iteration j - 1
+  for (int j = 0; j < mine; j += kStep) {
+    // pair: stage j + 1 exists. Without it (an odd last stage) the second half of the step
+    // reads stage j's slot again and multiplies zeros: one code path, no second copy of the wgmmas.
+    const bool pair = kStep == 2 && j + 1 < mine;
+    if (!kRefillAfter) {  // the slots of the previous iteration's stages, released at its end
+      refill(j);
+      if (kStep == 2) refill(j + 1);
+    }
     mbar_wait(full + 8 * slot(j), (j / S::kRing) & 1);
+    if (pair) mbar_wait(full + 8 * slot(j + 1), ((j + 1) / S::kRing) & 1);
     __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
 
-    const uint32_t base = smem + slot(j) * S::kStage;
-    // Every A operand of the stage is written before its first wgmma, and every wgmma of the
-    // stage has retired before the next stage writes any: a wgmma reads its A registers
+    auto base_of = [&](int s) { return smem + slot(s == 1 && pair ? j + 1 : j) * S::kStage; };
+    // Every A operand of the step (its one or two stages) is written before its first wgmma,
+    // and every wgmma of the step has retired before the next step writes any: a wgmma reads its A registers
     // asynchronously until a wait retires it, and ptxas neither knows that nor keeps the
     // registers from other uses, so nothing may be written while one is in flight. (With
     // per-k-tile waits instead, ptxas moved the next k-tiles' writes above the waits and
@@ -416,32 +433,46 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
     // per group 1.03x at M = 256, 1.07x at M = 1024).
     auto multiply_stage = [&](auto one_group) {
       constexpr bool kOneGroup = decltype(one_group)::value;
-      const uint32_t params = base + S::kXBytes + S::kWBytes + rt * gps * 32 + 4 * g;  // progressive: group 0 of the stage
-      uint32_t s1_word = 0, zs1_word = 0;
-      if constexpr (kOneGroup) {
-        s1_word = lds_u32(params);
-        zs1_word = lds_u32(params + kZs1At);
-      }
-      Fragment<K, S::kBlocks> f[S::kKT];
-      uint32_t a[S::kKT][S::kBlocks][4];
+      constexpr int kKT = kStep * S::kKT;  // the step's k-tiles: kk / 4 is its stage
+      Fragment<K, S::kBlocks> f[kKT];
+      uint32_t a[kKT][S::kBlocks][4];
 #pragma unroll
-      for (int kk = 0; kk < S::kKT; ++kk) {
-        f[kk].load(base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes, blk);
-        if constexpr (K == Kind::kProgressive) {
-          // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
-          f[kk].s1 = kOneGroup ? s1_word : lds_u32(params + (kk >> p.group_shift) * 32);
-          f[kk].zs1 = kOneGroup ? zs1_word : lds_u32(params + (kk >> p.group_shift) * 32 + kZs1At);
+      for (int s = 0; s < kStep; ++s) {
+        const uint32_t base = base_of(s);
+        const uint32_t params = base + S::kXBytes + S::kWBytes + rt * gps * 32 + 4 * g;  // progressive: group 0 of the stage
+        uint32_t s1_word = 0, zs1_word = 0;
+        if constexpr (kOneGroup) {
+          s1_word = lds_u32(params);
+          zs1_word = lds_u32(params + kZs1At);
+        }
+#pragma unroll
+        for (int kk = 0; kk < S::kKT; ++kk) {
+          Fragment<K, S::kBlocks>& fk = f[s * S::kKT + kk];
+          fk.load(base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes, blk);
+          if constexpr (K == Kind::kProgressive) {
+            // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
+            fk.s1 = kOneGroup ? s1_word : lds_u32(params + (kk >> p.group_shift) * 32);
+            fk.zs1 = kOneGroup ? zs1_word : lds_u32(params + (kk >> p.group_shift) * 32 + kZs1At);
+          }
         }
       }
 #pragma unroll
-      for (int kk = 0; kk < S::kKT; ++kk) f[kk].template to_a<BIASED>(a[kk], blk);
+      for (int kk = 0; kk < kKT; ++kk) f[kk].template to_a<BIASED>(a[kk], blk);
+      if (!pair) {  // no stage j + 1: its half of the step multiplies zero weights
+#pragma unroll
+        for (int kk = S::kKT; kk < kKT; ++kk)
+#pragma unroll
+          for (int b = 0; b < S::kBlocks; ++b)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[kk][b][i] = 0;
+      }
       // The wgmmas in each branch's own code: issued after the join, ptxas moved the two
       // branches' A registers into common ones past the fence and injected a warpgroup.arrive
       // before 7 of the 8 wgmmas (its C7519 notes; now one).
       wgmma_fence();  // a[] was written by ordinary instructions
 #pragma unroll
-      for (int kk = 0; kk < S::kKT; ++kk) {
-        const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32kk.. of each row
+      for (int kk = 0; kk < kKT; ++kk) {
+        const uint64_t desc = wgmma_desc_k128b(base_of(kk / S::kKT) + (kk % S::kKT) * 32);  // k-tile kk % 4 of its stage: bytes 32 (kk % 4).. of each row
 #pragma unroll
         for (int b = 0; b < S::kBlocks; ++b) wgmma_m64nNk32_rs<BIASED, BN>(acc[b], a[kk][b], desc);
       }
@@ -450,7 +481,10 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
     else multiply_stage(std::false_type{});
     wgmma_commit();
     wgmma_wait<0>();
-    if (lane == 0) mbar_arrive(empty + 8 * slot(j));  // this stage's slot can be refilled
+    if (lane == 0) {  // the step's slots can be refilled
+      mbar_arrive(empty + 8 * slot(j));
+      if (pair) mbar_arrive(empty + 8 * slot(j + 1));
+    }
     if (kRefillAfter) refill(j);  // this stage's slot, once every warp is done with it
   }
   __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile

@@ -200,6 +200,7 @@ def test_every_configuration_exact(kind, forced, monkeypatch):
     if forced.kernel in cuda_ops.WGMMA_KERNELS:
         check_gemm(kind, 256, 1000, 736, 32)  # whole token tiles: the wgmma epilogue's unchecked form
         check_gemm(kind, 100, 1000, 736, 128)  # one group a stage: parameter boxes of 32 bytes per row tile
+        check_gemm(kind, 100, 1000, 640, 32)  # 5 stages: the one-pipeline forms' last step has no second stage
 
 
 @pytest.fixture
