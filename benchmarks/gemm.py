@@ -420,10 +420,10 @@ def explore_wgmma(g, cases: list[tuple[int, int, int]] | None = None, kind: str 
         int_mm = time_calls([lambda w=w: torch._int_mm(x_q, w) for w in w8])
         del w8
         auto = cuda_ops.plan(m, n // 32, k // 32, sms, hopper)
-        splits = [s for s in (1, 2, 3, 4, 8) if s <= math.ceil(k / 128)]  # (whole 4-k-tile stages)
-        plans = [auto] + [cuda_ops.Plan(cuda_ops.WGMMA, wgs, s) for wgs in (1, 2) for s in splits]
-        plans += [cuda_ops.Plan(form, tile, s) for form, tile in ((cuda_ops.WGMMA_K2, 1), (cuda_ops.WGMMA_K2_T64, 1),
-                                                                 (cuda_ops.WGMMA_M64, 3)) for s in splits]
+        forms = ((cuda_ops.WGMMA, 1), (cuda_ops.WGMMA, 2), (cuda_ops.WGMMA_K2, 1), (cuda_ops.WGMMA_K2_T64, 1),
+                 (cuda_ops.WGMMA_M64, 3))
+        plans = [auto] + [cuda_ops.Plan(form, tile, s) for form, tile in forms for s in (1, 2, 3, 4, 8)]
+        plans = [p for p in plans if p.splits <= p.max_splits(math.ceil(k / 32))]
         for p in dict.fromkeys(plans):
             us = time_with_plan(p, [lambda w=w: op(x_q, x_scale, x_rowsum, *w, n) for w in weights])
             rows.append({"M": m, "N": n, "K": k, "kind": kind, "plan": p.name(), "tile": p.tile, "splits": p.splits,

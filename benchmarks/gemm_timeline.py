@@ -119,9 +119,10 @@ def main() -> None:
     if args.library:
         cuda_ops.use_library(args.library)
     if args.plan:
-        name, tile, splits = args.plan.split(":")
-        kernel = {v: k for k, v in cuda_ops.KERNEL_NAMES.items()}[name]
-        cuda_ops.PLAN_OVERRIDE = cuda_ops.Plan(kernel, int(tile), int(splits))
+        try:
+            cuda_ops.PLAN_OVERRIDE = cuda_ops.Plan.parse(args.plan)
+        except ValueError as e:
+            ap.error(f"--plan: {e}")
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     rows = []

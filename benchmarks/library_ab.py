@@ -147,12 +147,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.plan:
         try:
-            name, tile, splits = args.plan.split(":")
-            kernel = next(k for k, known in cuda_ops.KERNEL_NAMES.items() if known == name)
-            cuda_ops.PLAN_OVERRIDE = cuda_ops.Plan(kernel, int(tile), int(splits))
-        except (ValueError, StopIteration):
-            ap.error(f"--plan: {args.plan!r}; give KERNEL:TILE:SPLITS with KERNEL one of "
-                     f"{', '.join(cuda_ops.KERNEL_NAMES.values())} (e.g. wgmma_m64:3:1)")
+            cuda_ops.PLAN_OVERRIDE = cuda_ops.Plan.parse(args.plan)
+        except ValueError as e:
+            ap.error(f"--plan: {e}")
     patterns = args.patterns.split(",")
     if not set(patterns) <= set(PATTERNS):
         ap.error(f"--patterns: {args.patterns!r}; choose from {','.join(PATTERNS)}")

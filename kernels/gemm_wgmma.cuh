@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   constexpr int kAhead = kRefillAfter ? S::kRing : S::kRing - kStep;  // how far ahead a refill goes
   const int filled = min(kAhead, mine);
   // The lead thread's refill at stage j: stage j + kAhead, into the slot of stage j + kAhead -
-  // kRing (j - 1, or kRefillAfter j itself) once every warp of the pipeline has released it.
+  // kRing (j - kStep, or kRefillAfter j itself) once every warp of the pipeline has released it.
   auto refill = [&](int j) {
     const int ahead = j + kAhead;
     if (tid == lead && ahead < mine) {

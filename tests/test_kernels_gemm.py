@@ -577,6 +577,14 @@ def test_check_plan_refuses_what_no_kernel_runs(bad):
     cuda_ops.check_plan(cuda_ops.Plan(cuda_ops.WGMMA, 2, 6), 23)
 
 
+def test_plans_parse_from_their_command_line_form():
+    for kernel, name in cuda_ops.KERNEL_NAMES.items():
+        assert cuda_ops.Plan.parse(f"{name}:2:3") == cuda_ops.Plan(kernel, 2, 3)
+    for bad in ("wgmma_m64:3", "wgmma_m64:3:1:1", "no_such_kernel:1:1", "wgmma:two:1", ""):
+        with pytest.raises(ValueError, match="KERNEL:TILE:SPLITS"):
+            cuda_ops.Plan.parse(bad)
+
+
 def test_validation_rejects_bad_operands_on_the_cpu():
     x_q = torch.zeros(3, 64, dtype=torch.int8)
     x_scale = torch.zeros(3, dtype=torch.float16)

@@ -190,6 +190,21 @@ class Plan:
     tile: int
     splits: int
 
+    @classmethod
+    def parse(cls, text: str) -> "Plan":
+        """'KERNEL:TILE:SPLITS' with KERNEL a name of KERNEL_NAMES (e.g. 'wgmma_m64:3:1'); ValueError otherwise."""
+        names = {name: kernel for kernel, name in KERNEL_NAMES.items()}
+        try:
+            name, tile, splits = text.split(":")
+            return cls(names[name], int(tile), int(splits))
+        except (ValueError, KeyError):
+            raise ValueError(f"{text!r}: give KERNEL:TILE:SPLITS with KERNEL one of {', '.join(names)} "
+                             "(e.g. wgmma_m64:3:1)") from None
+
+    def max_splits(self, k_tiles: int) -> int:
+        """The most K splits this kernel can take: wgmma splits whole 4-k-tile stages."""
+        return math.ceil(k_tiles / 4) if self.kernel in WGMMA_KERNELS else k_tiles
+
     def grid_tiles(self, m: int, n_tiles: int) -> int:
         """CTA tiles in the (x, y) plane of the grid: the split-K counters needed."""
         if self.kernel in _STREAM_SHAPES:
@@ -208,7 +223,7 @@ def check_plan(p: Plan, k_tiles: int) -> None:
              WGMMA_M64: (3,)}
     if p.kernel not in tiles or p.tile not in tiles[p.kernel]:
         raise ValueError(f"no kernel {p.kernel} with tile {p.tile}: kernels and tiles are {tiles}")
-    most = math.ceil(k_tiles / 4) if p.kernel in WGMMA_KERNELS else k_tiles  # wgmma splits whole 4-k-tile stages
+    most = p.max_splits(k_tiles)
     if not 1 <= p.splits <= most:
         raise ValueError(f"{p.splits} K splits for {k_tiles} k-tiles: between 1 and {most}")
 
