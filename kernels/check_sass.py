@@ -12,11 +12,12 @@ the H200, and the version before it passed every test with such writes in its SA
 
 Needs nvcc and nvdisasm (on PATH, next to nvcc, or from the `nvidia-cuda-nvdisasm` wheel).
 The scan: in address order, an IGMMA with A = Rx adds Rx..Rx+3 to the in-flight set (and its
-accumulators, N / 2 registers from D for 64 x N), a
-`WARPGROUP.DEPBAR.LE gsb0, 0x0` clears it, and any instruction writing one of them is a hazard;
+accumulators, N / 2 registers from D for 64 x N), the IGMMA marked `gsb0` closes its commit
+group, `WARPGROUP.DEPBAR.LE gsb0, N` retires all but the newest N groups, and any instruction
+writing a register of a group still in flight is a hazard;
 each loop containing an IGMMA (a backward branch) is also scanned twice in a row, so that writes
-at the top of the next iteration are seen. (Waits that retire only some groups are ignored, so
-the check is conservative for kernels that rely on them. A write's width comes from the opcode:
+at the top of the next iteration are seen. (The scan is linear: a wait on a branch the run skips
+counts as passed, so a kernel's waits should sit on the paths they protect. A write's width comes from the opcode:
 .128 four registers, .64 or WIDE two, else one - enough for these kernels' instructions.)
 """
 
@@ -68,19 +69,27 @@ def _instructions(body: str) -> tuple[list[tuple[int, str]], dict[str, int]]:
 
 
 def _scan(instrs: list[tuple[int, str]], hazards: set[str]) -> None:
-    in_flight: set[int] = set()
+    groups: list[set[int]] = []  # committed wgmma groups still in flight, oldest first
+    open_group: set[int] = set()  # wgmmas issued since the last commit
     for addr, ins in instrs:
         if "IGMMA" in ins:
             a = re.search(r"IGMMA\S*\s+R\d+,\s*R(\d+),", ins)  # RS form: D, A registers, B descriptor
             if a:
-                in_flight |= set(range(int(a.group(1)), int(a.group(1)) + 4))
+                open_group |= set(range(int(a.group(1)), int(a.group(1)) + 4))
             # The accumulators too (both forms): 64 x N s32 over 128 threads is N / 2 registers.
             d = re.search(r"IGMMA\.64x(\d+)x\S*\s+R(\d+),", ins)
             if d:
-                in_flight |= set(range(int(d.group(2)), int(d.group(2)) + int(d.group(1)) // 2))
+                open_group |= set(range(int(d.group(2)), int(d.group(2)) + int(d.group(1)) // 2))
+            if re.search(r"\bgsb0\b", ins):  # the group's last wgmma: wgmma.commit_group
+                groups.append(open_group)
+                open_group = set()
             continue
-        if "WARPGROUP.DEPBAR.LE" in ins and ins.endswith("0x0"):
-            in_flight.clear()
+        wait = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", ins)
+        if wait:  # wgmma.wait_group N: all but the newest N committed groups have retired
+            keep = int(wait.group(1), 16)
+            groups = groups[len(groups) - keep:] if keep else []
+            if not keep:
+                open_group = set()
             continue
         op = re.sub(r"^@!?U?P\w+\s+", "", ins).split(None, 1)
         if len(op) < 2 or op[0].startswith(_NO_REGISTER_WRITE):
@@ -88,6 +97,7 @@ def _scan(instrs: list[tuple[int, str]], hazards: set[str]) -> None:
         dst = re.match(r"R(\d+)", op[1].strip())
         if dst:
             width = 4 if ".128" in op[0] else 2 if (".64" in op[0] or "WIDE" in op[0]) else 1
+            in_flight = open_group.union(*groups)
             if set(range(int(dst.group(1)), int(dst.group(1)) + width)) & in_flight:
                 hazards.add(f"{addr:05x}  {ins}")
 

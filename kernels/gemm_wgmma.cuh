@@ -20,10 +20,12 @@ namespace qoq::gemm {
 //    order][progressive: scale1 box, z*s1 box (each in its half of the space for 4 groups): row
 //    tile x group x 32 B]
 // all brought by TMA (rows and k-tiles past the end arrive as zeros). Thread 0 issues the
-// copies S-1 stages ahead (the first stage's weights before the dependent-launch wait) and
+// copies S-2 stages ahead (the first stage's weights before the dependent-launch wait) and
 // they complete on the stage's `full` mbarrier; each warp arrives on the stage's `empty`
 // mbarrier once its wgmmas of that stage have retired, which lets thread 0 reuse the slot.
-// Warpgroups never wait for each other otherwise.
+// Warpgroups never wait for each other otherwise. Each warpgroup keeps two stages' A operands
+// in registers, so that its wgmmas of one stage run while it dequantizes the next (the main
+// loop, in the kernel).
 //
 // KS = 2 (kernel id kWgmmaK2, WGS = 1): four warpgroups share one 128-row tile. The tile's
 // stages are split in two halves, warpgroups of half q taking stages q, q + 2, q + 4, ...;
@@ -55,8 +57,7 @@ namespace qoq::gemm {
 // multiplies m16 block v % 2 of row tile v / 2, warpgroup q rows 64q .. 64q + 63), all of them
 // walking every stage of one pipeline. Why: a 256-row CTA of two row warpgroups leaves SMs
 // idle where the row count does not fill them (11008 x 4096 at M = 256: 86 CTAs for 132 SMs),
-// and 128-row CTAs (172) need a second wave; 192-row CTAs give 116. With progressive weights
-// each warpgroup takes two stages an iteration (kStep in the kernel).
+// and 128-row CTAs (172) need a second wave; 192-row CTAs give 116.
 
 struct TmaMaps {
   CUtensorMap x, w, s1, zs1;  // s1/zs1 only for progressive weights
@@ -361,27 +362,19 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   // the first activations queued behind them (H200, benchmarks/library_ab.py, one process:
   // 0.96-0.99x; the first stage alone 1.03x at M = 64, 1.02x at M = 256, 1.01x at M = 1024,
   // the first two 1.00-1.01x; prefetch.tensormap of the maps added nothing).
-  // Refills (kRefillAfter: the K2 forms) wait, after the lead warp's own stage j, until every
-  // warp of the pipeline is done with stage j and refill its slot with stage j + kRing, so
-  // every slot of the ring holds a stage ahead; otherwise, before stage j, the slot of stage
-  // j - 1 with stage j + kRing - 1. With four slots per half the K2 form gains the extra stage
-  // of lookahead (H200, benchmarks/library_ab.py, one process: 1.01-1.06x at M = 256, 1.05x at
-  // M = 1024 on 14336 x 4096), while the forms with one pipeline per CTA (six slots) lose
-  // 2-4% to the lead warp waiting for the slowest one after each stage.
+  // Refills (kRefillAfter: the K2 forms) wait, after the lead warp has released stage j, until
+  // every warp of the pipeline is done with it and refill its slot with stage j + kRing;
+  // otherwise the lead refills, before it dequantizes stage j, the slot of stage j - 2 (the last
+  // one released: see the loop below) with stage j + kRing - 2. With four slots per half the K2
+  // form gains a stage of lookahead that way (H200, benchmarks/library_ab.py, one process:
+  // 1.01-1.06x at M = 256, 1.05x at M = 1024 on 14336 x 4096), while the forms with one
+  // pipeline per CTA (six slots) lose 2-4% to the lead warp waiting for the slowest one.
   constexpr bool kRefillAfter = KS == 2;
-  // kStep stages an iteration: 2 for progressive weights on 64-row warpgroups - both stages'
-  // A operands written, one fence, 8 wgmmas, one commit and one wait, so the chain's fixed part
-  // (the barrier waits, the fence, the wgmmas' drain) is paid once for two stages and the
-  // dequantization of eight k-tiles overlaps its shared-memory loads. H200 (benchmarks/
-  // library_ab.py --plan wgmma_m64:3:1, five shapes): per group 1.04-1.05x at M = 128-1024. Not
-  // elsewhere: per channel (masks only) it lost 2-5% on every one-pipeline form, and
-  // progressive weights on 128-row warpgroups or the K2 form (128 accumulators, or 128
-  // registers a thread) made ptxas serialize the wgmmas (its C7511 note) or spill.
-  constexpr int kStep = K == Kind::kProgressive && KS == 1 && S::kBlocks == 1 && S::kRing >= 5 ? 2 : 1;
-  constexpr int kAhead = kRefillAfter ? S::kRing : S::kRing - kStep;  // how far ahead a refill goes
+  constexpr int kAhead = kRefillAfter ? S::kRing : S::kRing - 2;  // how far ahead a refill goes
+  static_assert(kAhead >= 1, "a refill goes at least one stage ahead");
   const int filled = min(kAhead, mine);
   // The lead thread's refill at stage j: stage j + kAhead, into the slot of stage j + kAhead -
-  // kRing (j - kStep, or kRefillAfter j itself) once every warp of the pipeline has released it.
+  // kRing (j - 2, or kRefillAfter j itself) once every warp of the pipeline has released it.
   auto refill = [&](int j) {
     const int ahead = j + kAhead;
     if (tid == lead && ahead < mine) {
@@ -404,88 +397,126 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
       else issue(j);
     }
   const int rt = S::tile_of(warp);  // this warp's row tile in the CTA
-  for (int j = 0; j < mine; j += kStep) {
-    // pair: stage j + 1 exists. Without it (an odd last stage) the second half of the step
-    // reads stage j's slot again and multiplies zeros: one code path, no second copy of the wgmmas.
-    const bool pair = kStep == 2 && j + 1 < mine;
-    if (!kRefillAfter) {  // the slots of the previous iteration's stages, released at its end
-      refill(j);
-      if (kStep == 2) refill(j + 1);
-    }
-    mbar_wait(full + 8 * slot(j), (j / S::kRing) & 1);
-    if (pair) mbar_wait(full + 8 * slot(j + 1), ((j + 1) / S::kRing) & 1);
-    __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
 
-    auto base_of = [&](int s) { return smem + slot(s == 1 && pair ? j + 1 : j) * S::kStage; };
-    // Every A operand of the step (its one or two stages) is written before its first wgmma,
-    // and every wgmma of the step has retired before the next step writes any: a wgmma reads its A registers
-    // asynchronously until a wait retires it, and ptxas neither knows that nor keeps the
-    // registers from other uses, so nothing may be written while one is in flight. (With
-    // per-k-tile waits instead, ptxas moved the next k-tiles' writes above the waits and
-    // the results went wrong: notes-gemm.md, version 6.)
-    // All of the stage's fragments first: their shared-memory latencies overlap. No k-tile is
-    // skipped in the last, partial stage: TMA filled the k-tiles past K with zeros (weights,
-    // group parameters and activations alike), and they add zero. The warpgroup's m16 blocks
-    // only (kBlocks from blk: both, or in the K2 form its one block - half of each lane's
-    // bytes, and of each parameter word's). one_group (progressive, groups of >= 4 k-tiles, so
-    // the stage lies in one group): the group's parameter words are read once and its per-row
-    // constants built once for the four k-tiles, not per k-tile (H200, benchmarks/library_ab.py:
-    // per group 1.03x at M = 256, 1.07x at M = 1024).
-    auto multiply_stage = [&](auto one_group) {
-      constexpr bool kOneGroup = decltype(one_group)::value;
-      constexpr int kKT = kStep * S::kKT;  // the step's k-tiles: kk / 4 is its stage
-      Fragment<K, S::kBlocks> f[kKT];
-      uint32_t a[kKT][S::kBlocks][4];
+  // The main loop keeps two stages' A operands in registers (buffers a0, a1): stage j's wgmmas
+  // run on the tensor cores while the warpgroup loads and dequantizes stage j + 1 into the
+  // other buffer; after stage j + 1's commit, `wait_group 1` retires stage j, whose slot is
+  // released and whose buffer takes stage j + 2. With one buffer (until version 30) every stage
+  // waited for its own wgmmas before the next could be dequantized, and version 25's probes put
+  // the cost of that sequence at up to ~1.25x. Measured (H100, benchmarks/library_ab.py, forced
+  // forms, five shapes, M = 64-1024): 1.16-1.22x on the 64-row warpgroups, 1.34-1.47x on one
+  // 128-row warpgroup, 1.04-1.08x on two, 1.02-1.09x on the K2 forms (notes-gemm.md, version 30).
+  //
+  // The hazard: a wgmma reads its A registers asynchronously until a wait retires it, but
+  // ptxas models it as reading them at issue, so after the issue it may give those registers
+  // to other values (version 23 found exactly that). keep_alive() reads the retired buffer
+  // after the wait with a real instruction - a shared-memory store under a predicate that is
+  // false at run time (M < 0) - so ptxas keeps the registers allocated to it until then; an
+  // empty asm with register operands does not reach ptxas (version 5). kernels/check_sass.py
+  // verifies the result in the SASS (in CI too).
+  auto keep_alive = [&](const uint32_t (&a)[S::kKT][S::kBlocks][4]) {
 #pragma unroll
-      for (int s = 0; s < kStep; ++s) {
-        const uint32_t base = base_of(s);
-        const uint32_t params = base + S::kXBytes + S::kWBytes + rt * gps * 32 + 4 * g;  // progressive: group 0 of the stage
-        uint32_t s1_word = 0, zs1_word = 0;
-        if constexpr (kOneGroup) {
-          s1_word = lds_u32(params);
-          zs1_word = lds_u32(params + kZs1At);
-        }
+    for (int kk = 0; kk < S::kKT; ++kk)
 #pragma unroll
-        for (int kk = 0; kk < S::kKT; ++kk) {
-          Fragment<K, S::kBlocks>& fk = f[s * S::kKT + kk];
-          fk.load(base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes, blk);
-          if constexpr (K == Kind::kProgressive) {
-            // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
-            fk.s1 = kOneGroup ? s1_word : lds_u32(params + (kk >> p.group_shift) * 32);
-            fk.zs1 = kOneGroup ? zs1_word : lds_u32(params + (kk >> p.group_shift) * 32 + kZs1At);
-          }
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < kKT; ++kk) f[kk].template to_a<BIASED>(a[kk], blk);
-      if (!pair) {  // no stage j + 1: its half of the step multiplies zero weights
-#pragma unroll
-        for (int kk = S::kKT; kk < kKT; ++kk)
-#pragma unroll
-          for (int b = 0; b < S::kBlocks; ++b)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[kk][b][i] = 0;
-      }
-      // The wgmmas in each branch's own code: issued after the join, ptxas moved the two
-      // branches' A registers into common ones past the fence and injected a warpgroup.arrive
-      // before 7 of the 8 wgmmas (its C7519 notes; now one).
-      wgmma_fence();  // a[] was written by ordinary instructions
-#pragma unroll
-      for (int kk = 0; kk < kKT; ++kk) {
-        const uint64_t desc = wgmma_desc_k128b(base_of(kk / S::kKT) + (kk % S::kKT) * 32);  // k-tile kk % 4 of its stage: bytes 32 (kk % 4).. of each row
-#pragma unroll
-        for (int b = 0; b < S::kBlocks; ++b) wgmma_m64nNk32_rs<BIASED, BN>(acc[b], a[kk][b], desc);
-      }
-    };
-    if (K == Kind::kProgressive && gps == 1) multiply_stage(std::true_type{});
-    else multiply_stage(std::false_type{});
-    wgmma_commit();
-    wgmma_wait<0>();
-    if (lane == 0) {  // the step's slots can be refilled
-      mbar_arrive(empty + 8 * slot(j));
-      if (pair) mbar_arrive(empty + 8 * slot(j + 1));
+      for (int b = 0; b < S::kBlocks; ++b)
+        asm volatile("{\n.reg .pred q;\nsetp.lt.s32 q, %4, 0;\n@q st.shared.v4.b32 [%5], {%0, %1, %2, %3};\n}\n" ::"r"(a[kk][b][0]),
+                     "r"(a[kk][b][1]), "r"(a[kk][b][2]), "r"(a[kk][b][3]), "r"(p.M), "r"(smem)
+                     : "memory");
+  };
+  // Stage j's A operands: all of its fragments first (their shared-memory latencies overlap),
+  // then their conversion. No k-tile is skipped in the last, partial stage: TMA filled the
+  // k-tiles past K with zeros (weights, group parameters and activations alike), and they add
+  // zero. The warpgroup's m16 blocks only (kBlocks from blk: both, or in the K2 form and the
+  // 64-row warpgroups its one block - half of each lane's bytes, and of each parameter word's).
+  // one_group (progressive, groups of >= 4 k-tiles, so the stage lies in one group): the
+  // group's parameter words are read once for the four k-tiles, not per k-tile (H200,
+  // benchmarks/library_ab.py: per group 1.03x at M = 256, 1.07x at M = 1024).
+  auto dequantize = [&](int j, uint32_t (&a)[S::kKT][S::kBlocks][4], auto one_group) {
+    constexpr bool kOneGroup = decltype(one_group)::value;
+    const uint32_t base = smem + slot(j) * S::kStage;
+    const uint32_t params = base + S::kXBytes + S::kWBytes + rt * gps * 32 + 4 * g;  // progressive: group 0 of the stage
+    Fragment<K, S::kBlocks> f[S::kKT];
+    uint32_t s1_word = 0, zs1_word = 0;
+    if constexpr (kOneGroup) {
+      s1_word = lds_u32(params);
+      zs1_word = lds_u32(params + kZs1At);
     }
-    if (kRefillAfter) refill(j);  // this stage's slot, once every warp is done with it
+#pragma unroll
+    for (int kk = 0; kk < S::kKT; ++kk) {
+      f[kk].load(base + S::kXBytes + ((rt * S::kKT + kk) * 32 + lane) * kBytes, blk);
+      if constexpr (K == Kind::kProgressive) {
+        // Stages start on multiples of 4 k-tiles, so k-tile kk is in group kk >> group_shift of the stage.
+        f[kk].s1 = kOneGroup ? s1_word : lds_u32(params + (kk >> p.group_shift) * 32);
+        f[kk].zs1 = kOneGroup ? zs1_word : lds_u32(params + (kk >> p.group_shift) * 32 + kZs1At);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < S::kKT; ++kk) f[kk].template to_a<BIASED>(a[kk], blk);
+  };
+  // Stage j's wgmmas (one per k-tile and m64 block) as one commit group.
+  auto multiply = [&](int j, const uint32_t (&a)[S::kKT][S::kBlocks][4]) {
+    const uint32_t base = smem + slot(j) * S::kStage;
+    wgmma_fence();  // a[] was written by ordinary instructions
+#pragma unroll
+    for (int kk = 0; kk < S::kKT; ++kk) {
+      const uint64_t desc = wgmma_desc_k128b(base + kk * 32);  // k-tile kk: bytes 32 kk.. of each row
+#pragma unroll
+      for (int b = 0; b < S::kBlocks; ++b) wgmma_m64nNk32_rs<BIASED, BN>(acc[b], a[kk][b], desc);
+    }
+    wgmma_commit();
+  };
+  auto ready = [&](int j) {  // stage j has landed in its slot
+    mbar_wait(full + 8 * slot(j), (j / S::kRing) & 1);
+    __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
+  };
+  auto release = [&](int j) {  // this warp is done with stage j's slot
+    if (lane == 0) mbar_arrive(empty + 8 * slot(j));
+    if (kRefillAfter) refill(j);
+  };
+  // Unrolled by two so that each buffer is its own registers. Every exit leaves from a branch
+  // that waited for all groups: ptxas's analysis follows paths, not the loop's arithmetic (with
+  // the exit test after `wait_group 1` it injected a wait and serialized the wgmmas, C7514).
+  auto main_loop = [&](auto one_group) {
+    uint32_t a0[S::kKT][S::kBlocks][4], a1[S::kKT][S::kBlocks][4];
+    if (!kRefillAfter) refill(0);
+    ready(0);
+    dequantize(0, a0, one_group);
+    multiply(0, a0);
+    for (int j = 0;; j += 2) {  // a0: stage j, in flight
+      if (j + 1 < mine) {
+        if (!kRefillAfter) refill(j + 1);
+        ready(j + 1);
+        dequantize(j + 1, a1, one_group);
+        multiply(j + 1, a1);
+        wgmma_wait<1>();  // stage j retired
+        keep_alive(a0);
+        release(j);
+      } else {
+        wgmma_wait<0>();
+        release(j);
+        break;
+      }
+      if (j + 2 < mine) {  // a1: stage j + 1, in flight
+        if (!kRefillAfter) refill(j + 2);
+        ready(j + 2);
+        dequantize(j + 2, a0, one_group);
+        multiply(j + 2, a0);
+        wgmma_wait<1>();  // stage j + 1 retired
+        keep_alive(a1);
+        release(j + 1);
+      } else {
+        wgmma_wait<0>();
+        release(j + 1);
+        break;
+      }
+    }
+  };
+  // One copy of the loop per parameter form, the branch outside it: with the wgmmas issued
+  // after a join of two forms, ptxas merged their A registers past the fence and injected a
+  // warpgroup.arrive before most wgmmas (its C7519 notes).
+  if (mine > 0) {
+    if (K == Kind::kProgressive && gps == 1) main_loop(std::true_type{});
+    else main_loop(std::false_type{});
   }
   __syncthreads();  // every warp is done with the pipeline's slots: they become the staging tile
   static_assert(S::kStages * S::kStage >= WgmmaStaging<S>::kBytes, "the staging tile must fit in the pipeline's slots");

@@ -99,3 +99,31 @@ def test_the_sass_check_finds_a_write_to_in_flight_a_registers():
     touched = _LOOP.replace("IADD3 R2, R2, 0x10, RZ", "IADD3 R30, R2, 0x10, RZ")
     (hazards,) = check_sass.hazards_in_sass(touched).values()
     assert hazards == ["00100  LDS.128 R8, [R2]", "00130  IADD3 R30, R2, 0x10, RZ"]
+
+
+# Two A buffers (R8.. and R12..), each stage its own commit group: `DEPBAR.LE gsb0, 0x1` after the
+# second group retires only the first, so R8 may be rewritten after it and R12 may not.
+_TWO_GROUPS = """.text._ZN3qoq4gemm12wgmma_kernelILNS0_4KindE0ELi3EEEvNS0_6ParamsENS0_7TmaMapsE:
+        /*0100*/                   LDS.128 R8, [R2] ;
+        /*0110*/                   WARPGROUP.ARRIVE ;
+        /*0120*/                   IGMMA.64x128x32.S8.S8 R24, R8, gdesc[UR4], R24, gsb0 ;
+        /*0130*/                   LDS.128 R12, [R2+0x10] ;
+        /*0140*/                   WARPGROUP.ARRIVE ;
+        /*0150*/                   IGMMA.64x128x32.S8.S8 R24, R12, gdesc[UR8], R24, gsb0 ;
+        /*0160*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0170*/                   LDS.128 R8, [R2+0x20] ;
+        /*0180*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+"""
+
+
+def test_the_sass_check_follows_waits_that_retire_only_older_groups():
+    (hazards,) = check_sass.hazards_in_sass(_TWO_GROUPS).values()
+    assert hazards == []
+    # the second buffer rewritten after the partial wait: its group is still in flight
+    early = _TWO_GROUPS.replace("LDS.128 R8, [R2+0x20]", "LDS.128 R12, [R2+0x20]")
+    (hazards,) = check_sass.hazards_in_sass(early).values()
+    assert hazards == ["00170  LDS.128 R12, [R2+0x20]"]
+    # the first buffer rewritten before the partial wait: its group is not yet retired
+    before = _TWO_GROUPS.replace("        /*0160*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n", "")
+    (hazards,) = check_sass.hazards_in_sass(before).values()
+    assert hazards == ["00170  LDS.128 R8, [R2+0x20]"]
