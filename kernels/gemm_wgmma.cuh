@@ -476,39 +476,33 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   // Unrolled by two so that each buffer is its own registers. Every exit leaves from a branch
   // that waited for all groups: ptxas's analysis follows paths, not the loop's arithmetic (with
   // the exit test after `wait_group 1` it injected a wait and serialized the wgmmas, C7514).
+  using ARegs = uint32_t[S::kKT][S::kBlocks][4];
   auto main_loop = [&](auto one_group) {
-    uint32_t a0[S::kKT][S::kBlocks][4], a1[S::kKT][S::kBlocks][4];
+    ARegs a0, a1;
+    // Stage j is in flight from `cur`: issue stage j + 1 from `next`, then retire stage j.
+    // False when stage j was this warp's last (all groups retired).
+    auto step = [&](int j, ARegs& cur, ARegs& next) -> bool {
+      if (j + 1 >= mine) {
+        wgmma_wait<0>();
+        release(j);
+        return false;
+      }
+      if (!kRefillAfter) refill(j + 1);
+      ready(j + 1);
+      dequantize(j + 1, next, one_group);
+      multiply(j + 1, next);
+      wgmma_wait<1>();  // stage j retired
+      keep_alive(cur);
+      release(j);
+      return true;
+    };
     if (!kRefillAfter) refill(0);
     ready(0);
     dequantize(0, a0, one_group);
     multiply(0, a0);
-    for (int j = 0;; j += 2) {  // a0: stage j, in flight
-      if (j + 1 < mine) {
-        if (!kRefillAfter) refill(j + 1);
-        ready(j + 1);
-        dequantize(j + 1, a1, one_group);
-        multiply(j + 1, a1);
-        wgmma_wait<1>();  // stage j retired
-        keep_alive(a0);
-        release(j);
-      } else {
-        wgmma_wait<0>();
-        release(j);
-        break;
-      }
-      if (j + 2 < mine) {  // a1: stage j + 1, in flight
-        if (!kRefillAfter) refill(j + 2);
-        ready(j + 2);
-        dequantize(j + 2, a0, one_group);
-        multiply(j + 2, a0);
-        wgmma_wait<1>();  // stage j + 1 retired
-        keep_alive(a1);
-        release(j + 1);
-      } else {
-        wgmma_wait<0>();
-        release(j + 1);
-        break;
-      }
+    for (int j = 0;; j += 2) {
+      if (!step(j, a0, a1)) break;
+      if (!step(j + 1, a1, a0)) break;
     }
   };
   // One copy of the loop per parameter form, the branch outside it: with the wgmmas issued
