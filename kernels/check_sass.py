@@ -16,9 +16,10 @@ accumulators, N / 2 registers from D for 64 x N), the IGMMA marked `gsb0` closes
 group, `WARPGROUP.DEPBAR.LE gsb0, N` retires all but the newest N groups, and any instruction
 writing a register of a group still in flight is a hazard;
 each loop containing an IGMMA (a backward branch) is also scanned twice in a row, so that writes
-at the top of the next iteration are seen. (The scan is linear: a wait on a branch the run skips
-counts as passed, so a kernel's waits should sit on the paths they protect. A write's width comes from the opcode:
-.128 four registers, .64 or WIDE two, else one - enough for these kernels' instructions.)
+at the top of the next iteration are seen. (The scan is linear: a wait on a branch the run
+skips counts as passed, so a kernel's waits should sit on the paths they protect. A write's
+width comes from the opcode: .128 four registers, .64 or WIDE two, else one - enough for these
+kernels' instructions.)
 """
 
 from __future__ import annotations
@@ -87,9 +88,10 @@ def _scan(instrs: list[tuple[int, str]], hazards: set[str]) -> None:
         wait = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", ins)
         if wait:  # wgmma.wait_group N: all but the newest N committed groups have retired
             keep = int(wait.group(1), 16)
-            groups = groups[len(groups) - keep:] if keep else []
-            if not keep:
-                open_group = set()
+            if keep:
+                groups = groups[-keep:]
+            else:  # wait_group 0 also retires wgmmas not yet committed
+                groups, open_group = [], set()
             continue
         op = re.sub(r"^@!?U?P\w+\s+", "", ins).split(None, 1)
         if len(op) < 2 or op[0].startswith(_NO_REGISTER_WRITE):

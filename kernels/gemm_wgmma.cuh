@@ -316,6 +316,11 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   const int kq = S::half_of(warp), blk = S::block_of(warp);
   const int lead = kq * S::kConsumerWarps * kWarp, mine = KS == 1 ? n_stages : (n_stages - kq + KS - 1) / KS;
   auto slot = [&](int j) { return kq * S::kRing + j % S::kRing; };
+  // Stage j's slot: its bytes, and its barriers (full: the stage has landed; empty: every warp
+  // of the pipeline is done with it).
+  auto stage_smem = [&](int j) { return smem + slot(j) * S::kStage; };
+  auto full_bar = [&](int j) { return full + 8 * slot(j); };
+  auto empty_bar = [&](int j) { return empty + 8 * slot(j); };
   const int gps = p.groups_per_stage;
   const uint32_t param_box = S::kRT * gps * 32;  // bytes of one parameter box
   // The z * s1 box sits half the parameter space after the s1 box: TMA writes only to 128-byte
@@ -342,7 +347,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   auto stage_k = [&](int j) { return kt_begin + (kq + KS * j) * S::kKT; };
   auto issue_static = [&](int j) {
     const int kt0 = stage_k(j);
-    const uint32_t base = smem + slot(j) * S::kStage, bar = full + 8 * slot(j);
+    const uint32_t base = stage_smem(j), bar = full_bar(j);
     mbar_arrive_expect_tx(bar, tx_bytes);
     tma_load_3d(base + S::kXBytes, &maps.w, 0, kt0, nt0, bar);
     if constexpr (K == Kind::kProgressive) {
@@ -351,7 +356,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
       tma_load_3d(base + S::kXBytes + S::kWBytes + kZs1At, &maps.zs1, 0, grp0, nt0, bar);
     }
   };
-  auto issue_x = [&](int j) { tma_load_2d(smem + slot(j) * S::kStage, &maps.x, stage_k(j) * 32, m0, full + 8 * slot(j)); };
+  auto issue_x = [&](int j) { tma_load_2d(stage_smem(j), &maps.x, stage_k(j) * 32, m0, full_bar(j)); };
   auto issue = [&](int j) {
     issue_static(j);
     issue_x(j);
@@ -378,7 +383,7 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   auto refill = [&](int j) {
     const int ahead = j + kAhead;
     if (tid == lead && ahead < mine) {
-      if (ahead >= S::kRing) mbar_wait(empty + 8 * slot(ahead), (ahead / S::kRing - 1) & 1);
+      if (ahead >= S::kRing) mbar_wait(empty_bar(ahead), (ahead / S::kRing - 1) & 1);
       issue(ahead);
     }
   };
@@ -414,7 +419,8 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   // false at run time (M < 0) - so ptxas keeps the registers allocated to it until then; an
   // empty asm with register operands does not reach ptxas (version 5). kernels/check_sass.py
   // verifies the result in the SASS (in CI too).
-  auto keep_alive = [&](const uint32_t (&a)[S::kKT][S::kBlocks][4]) {
+  using ARegs = uint32_t[S::kKT][S::kBlocks][4];  // one stage's A operands: [k-tile][m16 block][fragment]
+  auto keep_alive = [&](const ARegs& a) {
 #pragma unroll
     for (int kk = 0; kk < S::kKT; ++kk)
 #pragma unroll
@@ -431,9 +437,9 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
   // one_group (progressive, groups of >= 4 k-tiles, so the stage lies in one group): the
   // group's parameter words are read once for the four k-tiles, not per k-tile (H200,
   // benchmarks/library_ab.py: per group 1.03x at M = 256, 1.07x at M = 1024).
-  auto dequantize = [&](int j, uint32_t (&a)[S::kKT][S::kBlocks][4], auto one_group) {
+  auto dequantize = [&](int j, ARegs& a, auto one_group) {
     constexpr bool kOneGroup = decltype(one_group)::value;
-    const uint32_t base = smem + slot(j) * S::kStage;
+    const uint32_t base = stage_smem(j);
     const uint32_t params = base + S::kXBytes + S::kWBytes + rt * gps * 32 + 4 * g;  // progressive: group 0 of the stage
     Fragment<K, S::kBlocks> f[S::kKT];
     uint32_t s1_word = 0, zs1_word = 0;
@@ -454,8 +460,8 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
     for (int kk = 0; kk < S::kKT; ++kk) f[kk].template to_a<BIASED>(a[kk], blk);
   };
   // Stage j's wgmmas (one per k-tile and m64 block) as one commit group.
-  auto multiply = [&](int j, const uint32_t (&a)[S::kKT][S::kBlocks][4]) {
-    const uint32_t base = smem + slot(j) * S::kStage;
+  auto multiply = [&](int j, const ARegs& a) {
+    const uint32_t base = stage_smem(j);
     wgmma_fence();  // a[] was written by ordinary instructions
 #pragma unroll
     for (int kk = 0; kk < S::kKT; ++kk) {
@@ -466,17 +472,16 @@ __global__ void __launch_bounds__(WgmmaShape<K, WGS, KS, BN, RPW>::kThreads, 1) 
     wgmma_commit();
   };
   auto ready = [&](int j) {  // stage j has landed in its slot
-    mbar_wait(full + 8 * slot(j), (j / S::kRing) & 1);
+    mbar_wait(full_bar(j), (j / S::kRing) & 1);
     __syncwarp();  // wgmma is .aligned: the whole warp must arrive together
   };
   auto release = [&](int j) {  // this warp is done with stage j's slot
-    if (lane == 0) mbar_arrive(empty + 8 * slot(j));
+    if (lane == 0) mbar_arrive(empty_bar(j));
     if (kRefillAfter) refill(j);
   };
   // Unrolled by two so that each buffer is its own registers. Every exit leaves from a branch
   // that waited for all groups: ptxas's analysis follows paths, not the loop's arithmetic (with
   // the exit test after `wait_group 1` it injected a wait and serialized the wgmmas, C7514).
-  using ARegs = uint32_t[S::kKT][S::kBlocks][4];
   auto main_loop = [&](auto one_group) {
     ARegs a0, a1;
     // Stage j is in flight from `cur`: issue stage j + 1 from `next`, then retire stage j.
