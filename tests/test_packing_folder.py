@@ -128,9 +128,9 @@ def test_eval_counts_the_packed_linears_calls_by_path(tiny_folders):
     model = packed.load_packed_folder(tiny_folders["prog-g32"][1], fs.read_manifest(tiny_folders["prog-g32"][1]))
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        res, paths = runner._counting_linear_paths(lambda: {"forwards": [model(ids) for _ in range(3)]})
+        res, paths = runner.counting_linear_paths(lambda: {"forwards": [model(ids) for _ in range(3)]})
     assert len(res["forwards"]) == 3 and paths == {"reference path": 3 * 14}
-    _, paths = runner._counting_linear_paths(lambda: {})  # counts start afresh for each model
+    _, paths = runner.counting_linear_paths(lambda: {})  # counts start afresh for each model
     assert paths == {}
 
 

@@ -1,4 +1,4 @@
-"""The `qoqtool` command line: quantize, pack, eval, info, recipes.
+"""The `qoqtool` command line: quantize, pack, eval, generate, info, recipes.
 
 Each command validates its arguments before any heavy work, reports progress on stderr,
 prints a result table on stdout, and can write machine-readable JSON (`--json FILE`, or
@@ -22,6 +22,7 @@ app = typer.Typer(
         "  qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g128 --calib synthetic -o smol-qoq\n\n"
         "  qoqtool eval smol-qoq --tasks fidelity\n\n"
         "  qoqtool pack smol-qoq -o smol-qoq-packed\n\n"
+        "  qoqtool generate smol-qoq-packed -p \"The capital of France is\"\n\n"
         "MODEL is a hub id (org/name), a local Hugging Face folder, a .gguf file, or "
         "smollm2-135m. Offline evaluation data: --data-dir DIR or QOQTOOL_DATA_DIR."
     ),

@@ -250,6 +250,98 @@ def evaluate(
     ui.write_json(json_out, payload)
 
 
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="A packed or quantized folder, or an original model (hub id, folder, .gguf, smollm2-135m)."),
+    prompts: Optional[list[str]] = typer.Option(None, "--prompt", "-p", help="A prompt (repeatable; all run as one batch)."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="At most this many new tokens per prompt."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the tokenizer's chat template (instruct models)."),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    page_size: int = typer.Option(64, "--page-size", help="Tokens per page of the paged KV cache."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Also write prompts, completions and timing as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+):
+    """Complete prompts greedily, decoding through the paged KV cache as a server would.
+
+    All prompts go in one batch: each is prefilled, then every step decodes one token for
+    each prompt still running (a prompt ends at the tokenizer's end-of-sequence token or after
+    --max-new-tokens). The KV cache holds the model's own KV bits (4 for the W4A8KV4
+    recipes). On a GPU a packed model runs the W4A8 GEMM kernels and the KV4 decode-attention
+    kernel; on the CPU the same loop runs the exact reference path. Greedy only: the output
+    is what the model ranks first, so two runs (and the two devices, up to rounding) agree.
+
+    Examples:
+
+      qoqtool generate smol-qoq-packed -p "The capital of France is" -p "def fibonacci(n):"
+
+      qoqtool generate smol-qoq-packed --chat -p "Name three primary colors." --device cuda -n 64
+    """
+    ui.reserve_stdout(json_out)
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise UserError(f"--page-size must be a power of two (got {page_size})")
+    prompts = prompts or ["The capital of France is"]
+    if any(not text.strip() for text in prompts):
+        raise UserError("--prompt must not be empty")
+    device = _check_device(device)
+    _check_model_argument(model)
+
+    from qoqtool.eval.runner import counting_linear_paths, print_paths
+    from qoqtool.runtime.generate import generate_paged, model_kv_bits
+    from qoqtool.runtime.loading import load_any
+
+    with ui.err.status(f"loading {model} ..."):  # (transient: a refusal below stays one line)
+        loaded = load_any(model, device=device)
+    tokenizer = loaded.tokenizer
+    from qoqtool.models.adapter import ModelAdapter
+    from qoqtool.runtime.kv_cache import SUPPORTED_HEAD_DIMS
+
+    head_dim = ModelAdapter(loaded.model).head_dim
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise UserError(f"{model} has head_dim {head_dim}; the paged KV cache holds head_dim "
+                        f"{' and '.join(map(str, SUPPORTED_HEAD_DIMS))} only (use qoqtool.load(...).model.generate in Python)")
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{model}'s tokenizer has no chat template; drop --chat")
+    if chat:
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+               for text in prompts]
+        ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    else:
+        ids = [tokenizer(text)["input_ids"] for text in prompts]
+    if any(len(x) == 0 for x in ids):
+        raise UserError("a --prompt gave no tokens; give it some text")
+    stop = frozenset(t for t in [tokenizer.eos_token_id] if t is not None)
+    t0 = time.perf_counter()
+    with ui.progress_bar("generate", enabled=not quiet) as bar:
+        result, paths = counting_linear_paths(lambda: generate_paged(
+            loaded.model, ids, max_new_tokens, page_size=page_size, stop_tokens=stop,
+            progress=lambda done, total: bar("tokens per prompt", done, total)))
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    new_tokens = sum(len(t) for t in result.tokens)
+    completions = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    kv_bits = model_kv_bits(loaded.model)
+    from rich.markup import escape
+
+    ui.out.print(f"[bold]{escape(model)}[/] ({loaded.kind}), greedy, KV{kv_bits} paged cache on {device}")
+    for text, completion in zip(prompts, completions):
+        ui.out.print(f"\n[bold]{escape(text)}[/]" + ("\n" if chat else "") + escape(completion))  # (chat: an answer, not a continuation)
+    ui.out.print()
+    ui.out.print(f"{new_tokens} new tokens for {len(prompts)} prompt(s) in {seconds:.1f} s, prefill included "
+                 f"({new_tokens / seconds:.1f} tokens/s)")
+    print_paths(model, paths)
+    ui.write_json(json_out, {
+        "model": model, "kind": loaded.kind, "device": device, "kv_bits": kv_bits, "chat": chat,
+        "results": [{"prompt": text, "completion": completion, "tokens": tokens}
+                    for text, completion, tokens in zip(prompts, completions, result.tokens)],
+        "new_tokens": new_tokens, "seconds": round(seconds, 3), "linear_paths": paths,
+    })
+
+
 def _check_model_argument(spec: str) -> None:
     """Resolve a model argument without loading it (fails fast on bad paths)."""
     from qoqtool.packing import folder as fs

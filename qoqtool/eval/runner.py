@@ -83,7 +83,7 @@ def _rows(results: dict) -> list[list]:
     ]
 
 
-def _counting_linear_paths(evaluate) -> tuple[dict, dict[str, int]]:
+def counting_linear_paths(evaluate) -> tuple[dict, dict[str, int]]:
     """evaluate()'s results, and how many calls of packed linears took each path meanwhile
     (a kernel or the reference path: packed_linear.path_calls; empty for other models)."""
     from qoqtool.runtime import packed_linear
@@ -93,7 +93,7 @@ def _counting_linear_paths(evaluate) -> tuple[dict, dict[str, int]]:
     return res, dict(packed_linear.path_calls.most_common())
 
 
-def _print_paths(spec: str, paths: dict[str, int]) -> None:
+def print_paths(spec: str, paths: dict[str, int]) -> None:
     """One line under the results: on a GPU it says whether the kernels ran, and which."""
     if paths:
         ui.out.print(f"{spec}: packed linear calls by path: " + ", ".join(f"{n:,} {p}" for p, n in paths.items()))
@@ -103,17 +103,17 @@ def run_eval(models: list[str], tasks: list[str], settings: EvalSettings, device
     loaded = [load_any(spec, device=device) for spec in models]
     config = {k: v for k, v in vars(settings).items()}
     if len(loaded) == 1:
-        res, paths = _counting_linear_paths(lambda: evaluate_model(loaded[0], tasks, settings, device, show_progress))
+        res, paths = counting_linear_paths(lambda: evaluate_model(loaded[0], tasks, settings, device, show_progress))
         ui.table(f"{models[0]} ({loaded[0].kind})", ["task", "metric", "value", "± stderr"], _rows(res))
-        _print_paths(models[0], paths)
+        print_paths(models[0], paths)
         return {"model": models[0], "kind": loaded[0].kind, "results": res, "linear_paths": paths, "config": config,
                 "versions": fs.versions()}
 
     base, other = loaded
     # A is the reference: fidelity is measured for B against A only.
-    res_a, paths_a = _counting_linear_paths(
+    res_a, paths_a = counting_linear_paths(
         lambda: evaluate_model(base, [t for t in tasks if t != "fidelity"], settings, device, show_progress))
-    res_b, paths_b = _counting_linear_paths(
+    res_b, paths_b = counting_linear_paths(
         lambda: evaluate_model(other, tasks, settings, device, show_progress, baseline=base))
     diff: dict[str, dict] = {}
     rows = []
@@ -124,8 +124,8 @@ def run_eval(models: list[str], tasks: list[str], settings: EvalSettings, device
                 diff.setdefault(task, {})[key] = vb - va
                 rows.append([task, label, va, vb, vb - va])
     ui.table(f"{models[1]} against {models[0]}", ["task", "metric", "A", "B", "B - A"], rows)
-    _print_paths(models[0], paths_a)
-    _print_paths(models[1], paths_b)
+    print_paths(models[0], paths_a)
+    print_paths(models[1], paths_b)
     return {
         "models": models,
         "results": {models[0]: res_a, models[1]: res_b},

@@ -111,9 +111,12 @@ def _decode_step(adapter: ModelAdapter, cache: PagedKVCache, seqs: list[int], to
 
 @torch.no_grad()
 def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits: int | None = None,
-                   page_size: int = 64, keep_logits: bool = False, use_kernels: bool | None = None) -> Generation:
+                   page_size: int = 64, keep_logits: bool = False, use_kernels: bool | None = None,
+                   stop_tokens: frozenset[int] = frozenset(), progress=None) -> Generation:
     """Greedy decoding of all prompts in one batch through a paged KV cache of kv_bits
-    (default: the model's own qoq_kv_bits) on the model's device."""
+    (default: the model's own qoq_kv_bits) on the model's device. A sequence that emits one of
+    `stop_tokens` ends there (that token is its last); decoding stops when all have ended.
+    progress(done_steps, max_new_tokens) after each step."""
     adapter = ModelAdapter(model)
     device = adapter.embed_tokens.weight.device
     bits = model_kv_bits(model) if kv_bits is None else kv_bits
@@ -123,14 +126,21 @@ def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits
     seqs = [cache.add_sequence() for _ in prompts]
     logits = torch.cat([_prefill(adapter, cache, seq, ids) for seq, ids in zip(seqs, prompts)])
     result = Generation([[] for _ in prompts], [[] for _ in prompts] if keep_logits else [])
+    running = [True] * len(prompts)  # (an ended sequence still decodes with the batch; its tokens are dropped)
     for step in range(max_new_tokens):
         tokens = logits.argmax(dim=-1)
         for i, token in enumerate(tokens.tolist()):
-            result.tokens[i].append(token)
-            if keep_logits:
-                result.logits[i].append(logits[i].cpu())
-        if step + 1 < max_new_tokens:
+            if running[i]:
+                result.tokens[i].append(token)
+                running[i] = token not in stop_tokens
+                if keep_logits:
+                    result.logits[i].append(logits[i].cpu())
+        if progress:
+            progress(step + 1, max_new_tokens)
+        if step + 1 < max_new_tokens and any(running):
             logits = _decode_step(adapter, cache, seqs, tokens)
+        else:
+            break
     if keep_logits:
         result.logits = [torch.stack(rows) for rows in result.logits]
     return result

@@ -1,0 +1,137 @@
+"""Generation: `qoqtool generate` and `qoqtool.load(...).model.generate` against the reference
+path (greedy decoding by full forward passes), on a tiny QoQ-packed model with a tokenizer
+(head_dim 64, as the paged KV cache needs, and random weights whose greedy tokens vary)."""
+
+import json
+
+import pytest
+import torch
+
+import qoqtool
+from qoqtool.packing import packed
+from qoqtool.recipe import load_recipe
+from qoqtool.runtime.generate import generate_paged, generate_reference
+from qoqtool.runtime.packed_linear import REFERENCE_PATH
+from test_kv_cache import tiny_decoder
+from test_packing_folder import assert_one_line_error, cli, quantize_to, tiny_qwen2
+
+VOCAB = 512
+EOS = 1
+
+
+def word_tokenizer():
+    """A word-per-token tokenizer for the tiny model: "w5 w9" -> [5, 9]; token 1, "</s>", ends a sequence."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)} | {"<unk>": 0, "</s>": EOS}
+    del vocab["w0"], vocab[f"w{EOS}"]
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="</s>")
+
+
+@pytest.fixture(autouse=True)
+def folders_open_with_the_word_tokenizer(monkeypatch):
+    """transformers picks a folder's tokenizer class by the model's type (Qwen2 here), which
+    does not read this word-level tokenizer.json back: hand out the word tokenizer itself."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: word_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def packed_qoq(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    tokens = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    qdir = quantize_to(tiny_decoder("qwen2"), load_recipe("qoq-w4a8kv4-g128"), root / "q", tokens)
+    return packed.pack_folder(str(qdir), str(root / "p")) and root / "p"
+
+
+PROMPTS = ["w5 w9 w3 w77", "w12 w40 w41 w8 w100 w2 w2 w64 w90 w13 w7 w300 w411", "w511"]
+
+
+def test_cli_generate_is_the_reference_greedy_decoding(packed_qoq, capsys):
+    """The paged-cache loop (KV4 cache, batch of three prompts of different lengths) gives the
+    tokens that greedy decoding by full forward passes gives, cut at the end-of-sequence token."""
+    args = ["generate", str(packed_qoq), "-n", "12", "-q", "--json", "-"]
+    code, out, err = cli(capsys, *args, *[a for p in PROMPTS for a in ("-p", p)])
+    assert code == 0, err
+    got = json.loads(out)
+    assert (got["kind"], got["kv_bits"], got["device"]) == ("packed", 4, "cpu")
+    assert set(got["linear_paths"]) == {REFERENCE_PATH}  # (on the CPU every packed linear call)
+    loaded = qoqtool.load(str(packed_qoq))
+    ids = [loaded.tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert ids[0] == [5, 9, 3, 77]
+    want = generate_reference(loaded.model, ids, 12).tokens
+    for row, tokens in zip(got["results"], want):
+        cut = tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
+        assert row["tokens"] == cut
+        assert row["completion"] == loaded.tokenizer.decode(cut, skip_special_tokens=True)
+    assert got["new_tokens"] == sum(len(r["tokens"]) for r in got["results"])
+
+
+def test_stop_tokens_end_one_sequence_and_leave_the_others(packed_qoq):
+    model = qoqtool.load(str(packed_qoq)).model
+    ids = [[5, 9, 3, 77], [12, 40, 41, 8, 300], [511]]
+    free = generate_paged(model, ids, 10, page_size=16).tokens
+    stop = free[1][2]  # the third token of the second prompt
+    ended = generate_paged(model, ids, 10, page_size=16, stop_tokens=frozenset({stop})).tokens
+    for before, after in zip(free, ended):
+        cut = before[:before.index(stop) + 1] if stop in before else before
+        assert after == cut
+    assert len(ended[1]) <= 3
+
+
+def test_load_then_transformers_generate_matches_the_reference(packed_qoq):
+    """qoqtool.load(...).model.generate (transformers' loop with its own KV cache) computes the
+    same logits as greedy decoding by full forward passes: the fake-quantized KV4 cache is per
+    token, so caching changes nothing but rounding."""
+    loaded = qoqtool.load(str(packed_qoq))
+    ids = [5, 9, 3, 77, 12, 40]
+    ref = generate_reference(loaded.model, [ids], 8, keep_logits=True)
+    out = loaded.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                return_dict_in_generate=True, output_logits=True)
+    assert out.sequences[0, len(ids):].tolist() == ref.tokens[0]
+    logits = torch.stack([step[0] for step in out.logits]).float()
+    torch.testing.assert_close(logits, ref.logits[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["-n", "0"], ["--max-new-tokens", "at least 1"]),
+    (["--page-size", "24"], ["--page-size", "power of two"]),
+    (["-p", "  "], ["--prompt", "empty"]),
+    (["--chat"], ["chat template", "drop --chat"]),
+    (["--device", "tpu"], ["device", "cpu or cuda"]),
+])
+def test_generate_refuses_bad_input(packed_qoq, capsys, args, words):
+    code, _, err = cli(capsys, "generate", str(packed_qoq), *args)
+    assert_one_line_error(code, err, *words)
+
+
+def test_generate_refuses_a_head_dim_the_paged_cache_lacks(tmp_path, capsys):
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    small = quantize_to(tiny_qwen2(), load_recipe("rtn-w4a8kv4-g128"), tmp_path / "q", tokens)  # head_dim 16
+    code, _, err = cli(capsys, "generate", str(small))
+    assert_one_line_error(code, err, "head_dim 16", "64 and 128")
+
+
+def test_generate_refuses_a_missing_model(tmp_path, capsys):
+    code, _, err = cli(capsys, "generate", str(tmp_path / "nothing-here"))
+    assert code == 2 and "Traceback" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernels run there)")
+def test_cli_generate_on_the_gpu_runs_the_kernels(packed_qoq, capsys):
+    """On CUDA every packed linear call takes a kernel path and the first new token of each
+    prompt is the CPU reference's (later ones may part by rounding: INT8 activations)."""
+    args = ["generate", str(packed_qoq), "-n", "6", "-q", "--device", "cuda", "--json", "-"]
+    code, out, err = cli(capsys, *args, *[a for p in PROMPTS for a in ("-p", p)])
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["linear_paths"] and REFERENCE_PATH not in got["linear_paths"]
+    loaded = qoqtool.load(str(packed_qoq))
+    want = generate_reference(loaded.model, [loaded.tokenizer(p)["input_ids"] for p in PROMPTS], 1).tokens
+    assert [row["tokens"][:1] for row in got["results"]] == want
