@@ -45,17 +45,19 @@ def packed_qoq(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
     tokens = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
     qdir = quantize_to(tiny_decoder("qwen2"), load_recipe("qoq-w4a8kv4-g128"), root / "q", tokens)
-    return packed.pack_folder(str(qdir), str(root / "p")) and root / "p"
+    packed.pack_folder(str(qdir), str(root / "p"))
+    return root / "p"
 
 
 PROMPTS = ["w5 w9 w3 w77", "w12 w40 w41 w8 w100 w2 w2 w64 w90 w13 w7 w300 w411", "w511"]
+PROMPT_ARGS = [arg for p in PROMPTS for arg in ("-p", p)]
 
 
 def test_cli_generate_is_the_reference_greedy_decoding(packed_qoq, capsys):
     """The paged-cache loop (KV4 cache, batch of three prompts of different lengths) gives the
     tokens that greedy decoding by full forward passes gives, cut at the end-of-sequence token."""
     args = ["generate", str(packed_qoq), "-n", "12", "-q", "--json", "-"]
-    code, out, err = cli(capsys, *args, *[a for p in PROMPTS for a in ("-p", p)])
+    code, out, err = cli(capsys, *args, *PROMPT_ARGS)
     assert code == 0, err
     got = json.loads(out)
     assert (got["kind"], got["kv_bits"], got["device"]) == ("packed", 4, "cpu")
@@ -128,7 +130,7 @@ def test_cli_generate_on_the_gpu_runs_the_kernels(packed_qoq, capsys):
     """On CUDA every packed linear call takes a kernel path and the first new token of each
     prompt is the CPU reference's (later ones may part by rounding: INT8 activations)."""
     args = ["generate", str(packed_qoq), "-n", "6", "-q", "--device", "cuda", "--json", "-"]
-    code, out, err = cli(capsys, *args, *[a for p in PROMPTS for a in ("-p", p)])
+    code, out, err = cli(capsys, *args, *PROMPT_ARGS)
     assert code == 0, err
     got = json.loads(out)
     assert got["linear_paths"] and REFERENCE_PATH not in got["linear_paths"]

@@ -287,23 +287,24 @@ def generate(
     device = _check_device(device)
     _check_model_argument(model)
 
+    from rich.markup import escape
+
     from qoqtool.eval.runner import counting_linear_paths, print_paths
+    from qoqtool.models.adapter import ModelAdapter
     from qoqtool.runtime.generate import generate_paged, model_kv_bits
+    from qoqtool.runtime.kv_cache import SUPPORTED_HEAD_DIMS
     from qoqtool.runtime.loading import load_any
 
     with ui.err.status(f"loading {model} ..."):  # (transient: a refusal below stays one line)
         loaded = load_any(model, device=device)
     tokenizer = loaded.tokenizer
-    from qoqtool.models.adapter import ModelAdapter
-    from qoqtool.runtime.kv_cache import SUPPORTED_HEAD_DIMS
-
     head_dim = ModelAdapter(loaded.model).head_dim
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise UserError(f"{model} has head_dim {head_dim}; the paged KV cache holds head_dim "
                         f"{' and '.join(map(str, SUPPORTED_HEAD_DIMS))} only (use qoqtool.load(...).model.generate in Python)")
-    if chat and not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"{model}'s tokenizer has no chat template; drop --chat")
     if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"{model}'s tokenizer has no chat template; drop --chat")
         ids = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
                for text in prompts]
         ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
@@ -311,22 +312,16 @@ def generate(
         ids = [tokenizer(text)["input_ids"] for text in prompts]
     if any(len(x) == 0 for x in ids):
         raise UserError("a --prompt gave no tokens; give it some text")
-    stop = frozenset(t for t in [tokenizer.eos_token_id] if t is not None)
+    stop = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
     t0 = time.perf_counter()
     with ui.progress_bar("generate", enabled=not quiet) as bar:
         result, paths = counting_linear_paths(lambda: generate_paged(
             loaded.model, ids, max_new_tokens, page_size=page_size, stop_tokens=stop,
             progress=lambda done, total: bar("tokens per prompt", done, total)))
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0  # (each step's argmax().tolist() has waited for the GPU)
     new_tokens = sum(len(t) for t in result.tokens)
     completions = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     kv_bits = model_kv_bits(loaded.model)
-    from rich.markup import escape
-
     ui.out.print(f"[bold]{escape(model)}[/] ({loaded.kind}), greedy, KV{kv_bits} paged cache on {device}")
     for text, completion in zip(prompts, completions):
         ui.out.print(f"\n[bold]{escape(text)}[/]" + ("\n" if chat else "") + escape(completion))  # (chat: an answer, not a continuation)
