@@ -10,7 +10,12 @@ import torch
 import qoqtool
 from qoqtool.packing import packed
 from qoqtool.recipe import load_recipe
-from qoqtool.runtime.generate import generate_paged, generate_reference
+from qoqtool.models.adapter import ModelAdapter
+from qoqtool.runtime import packed_linear
+from qoqtool.runtime.fusion import mlp_output, normed_linears
+from qoqtool.runtime.generate import (DecodeSteps, _decode, _prefill, generate_paged, generate_reference, load_step,
+                                      model_kv_bits, static_plan)
+from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache
 from qoqtool.runtime.packed_linear import REFERENCE_PATH
 from test_kv_cache import tiny_decoder
 from test_packing_folder import assert_one_line_error, cli, quantize_to, tiny_qwen2
@@ -137,3 +142,127 @@ def test_cli_generate_on_the_gpu_runs_the_kernels(packed_qoq, capsys):
     loaded = qoqtool.load(str(packed_qoq))
     want = generate_reference(loaded.model, [loaded.tokenizer(p)["input_ids"] for p in PROMPTS], 1).tokens
     assert [row["tokens"][:1] for row in got["results"]] == want
+
+
+def prefilled(model, prompts, steps, page_size=16):
+    """A paged cache of the model's KV bits with the prompts prefilled: (adapter, cache, seqs, logits)."""
+    adapter = ModelAdapter(model)
+    device = adapter.embed_tokens.weight.device
+    layout = KVCacheLayout(model_kv_bits(model), adapter.head_dim, adapter.num_kv_heads, page_size)
+    cache = PagedKVCache(layout, adapter.num_layers, 64, device)
+    seqs = [cache.add_sequence() for _ in prompts]
+    logits = torch.cat([_prefill(adapter, cache, seq, ids) for seq, ids in zip(seqs, prompts)])
+    return adapter, cache, seqs, logits
+
+
+def decode_on_a_static_plan(model, prompts, steps, capacity):
+    """Greedy logits [steps, B, vocab], each step run eagerly on static_plan's padded tensors."""
+    adapter, cache, seqs, logits = prefilled(model, prompts, steps)
+    static, rows = static_plan(cache, seqs, capacity), []
+    for _ in range(steps):
+        load_step(static, cache.plan(seqs, [1] * len(seqs)))
+        logits = _decode(adapter, cache, static, logits.argmax(dim=-1))
+        rows.append(logits)
+    return torch.stack(rows), cache
+
+
+PROMPT_IDS = [[5, 9, 3, 77], [12, 40, 41, 8, 100, 2, 2, 64, 90, 13, 7, 300, 411], [511]]
+
+
+def test_a_static_plan_decodes_as_the_step_plan(packed_qoq):
+    """A CUDA graph's step runs on static_plan's tensors: the page table padded to the pages of
+    the capacity, attention planned for the capacity. On the reference path that gives the
+    logits and the cache bytes of the exact per-step plans, bit for bit."""
+    model = qoqtool.load(str(packed_qoq)).model
+    got, got_cache = decode_on_a_static_plan(model, PROMPT_IDS, 8, capacity=64)
+    adapter, cache, seqs, logits = prefilled(model, PROMPT_IDS, 8)
+    decode = DecodeSteps(adapter, cache, seqs, 64)
+    assert not decode.cuda_graph  # (the CPU cache: eager, on each step's own plan)
+    for step in range(8):
+        logits = decode(logits.argmax(dim=-1))
+        assert torch.equal(logits, got[step])
+    assert torch.equal(cache.pool, got_cache.pool)
+
+
+def test_a_static_plan_refuses_a_step_it_cannot_hold(packed_qoq):
+    model = qoqtool.load(str(packed_qoq)).model
+    adapter, cache, seqs, _ = prefilled(model, PROMPT_IDS, 1)
+    static = static_plan(cache, seqs, capacity=16)  # one page of 16: the 13-token prompt fills it at 16
+    for _ in range(3):
+        load_step(static, cache.plan(seqs, [1] * len(seqs)))
+    with pytest.raises(ValueError, match="does not fit its static plan"):
+        load_step(static, cache.plan(seqs, [1] * len(seqs)))
+    with pytest.raises(ValueError, match="need the KV cache's kernels"):
+        DecodeSteps(adapter, cache, seqs, 64, cuda_graph=True)
+
+
+def test_the_fused_decoder_parts_fall_back_to_the_modules_off_the_gpu(packed_qoq):
+    """On the CPU normed_linears and mlp_output compute exactly what the layer's own modules
+    compute (the default recipe's MLP rotates down_proj's input online)."""
+    model = qoqtool.load(str(packed_qoq)).model
+    parts = ModelAdapter(model).parts(1)
+    h = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = parts.input_norm(h)
+    for got, linear in zip(normed_linears(parts.input_norm, h, (parts.q_proj, parts.k_proj, parts.v_proj)),
+                           (parts.q_proj, parts.k_proj, parts.v_proj)):
+        assert torch.equal(got, linear(x))
+    gate, up = normed_linears(parts.post_norm, h, (parts.gate_proj, parts.up_proj))
+    assert torch.equal(mlp_output(parts.mlp, gate, up), parts.mlp(parts.post_norm(h)))
+    with pytest.raises(ValueError, match="needs the CUDA kernels"):
+        parts.q_proj(h, quantized=(h,))
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernels run there)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_steps_from_a_cuda_graph_are_the_eager_steps(packed_qoq, recwarn, dtype):
+    """Replaying the captured decode step gives, bit for bit, the logits of the same step run
+    eagerly on the same static plan (the same kernels and launch shapes), with every replay's
+    linear calls counted by path. In float16 the norms are fused into the quantization."""
+    model = qoqtool.load(str(packed_qoq), device="cuda", dtype=dtype).model
+    want, want_cache = decode_on_a_static_plan(model, PROMPT_IDS, 8, capacity=64)
+    adapter, cache, seqs, logits = prefilled(model, PROMPT_IDS, 8)
+    decode = DecodeSteps(adapter, cache, seqs, 64)
+    assert decode.cuda_graph
+    packed_linear.path_calls.clear()
+    for step in range(8):
+        logits = decode(logits.argmax(dim=-1))
+        assert torch.equal(logits, want[step]), f"step {step}"
+    assert decode.graph is not None and not [w for w in recwarn if "CUDA graph" in str(w.message)]
+    linears = sum(isinstance(m, packed_linear.PackedLinear) for m in model.modules())
+    assert dict(packed_linear.path_calls) == {"kernel": 8 * linears}
+    assert torch.equal(cache.pool, want_cache.pool)
+    # and through generate_paged, where the eager steps use their own (unpadded) plans: same greedy start
+    tokens = generate_paged(model, PROMPT_IDS, 4, page_size=16).tokens
+    assert [t[:1] for t in tokens] == [t[:1] for t in generate_paged(model, PROMPT_IDS, 4, page_size=16,
+                                                                     cuda_graph=False).tokens]
+
+
+@pytest.mark.gpu
+@gpu
+def test_fused_norms_agree_with_the_unfused_layers(packed_qoq, monkeypatch):
+    """In float16 on CUDA q/k/v and gate/up take their INT8 input from the fused RMSNorm +
+    quantization kernel (and the greedy decoding agrees with the unfused path to rounding)."""
+    from qoqtool.runtime import fusion
+
+    model = qoqtool.load(str(packed_qoq), device="cuda", dtype="float16").model
+    forward, fed = packed_linear.PackedLinear.forward, []
+
+    def spy(self, x, quantized=None):
+        fed.append(quantized is not None)
+        return forward(self, x, quantized)
+
+    monkeypatch.setattr(packed_linear.PackedLinear, "forward", spy)
+    fused, _ = decode_on_a_static_plan(model, PROMPT_IDS, 4, capacity=64)
+    forwards = model.config.num_hidden_layers * (len(PROMPT_IDS) + 4)  # (layers x (prefills + steps))
+    assert (sum(fed), len(fed)) == (5 * forwards, 7 * forwards)  # q, k, v, gate, up fed; o_proj, down_proj not
+    fed.clear()
+    monkeypatch.setattr(fusion, "ENABLED", False)
+    plain, _ = decode_on_a_static_plan(model, PROMPT_IDS, 4, capacity=64)
+    assert not any(fed)
+    assert torch.equal(fused.argmax(dim=-1)[0], plain.argmax(dim=-1)[0])
+    error = (fused[0] - plain[0]).norm() / plain[0].norm()
+    assert error < 0.02, error

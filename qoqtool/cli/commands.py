@@ -258,6 +258,8 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the tokenizer's chat template (instruct models)."),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     page_size: int = typer.Option(64, "--page-size", help="Tokens per page of the paged KV cache."),
+    cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph",
+                                    help="On a GPU, replay each decode step from a CUDA graph (the first step is captured)."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write prompts, completions and timing as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
@@ -267,8 +269,9 @@ def generate(
     each prompt still running (a prompt ends at the tokenizer's end-of-sequence token or after
     --max-new-tokens). The KV cache holds the model's own KV bits (4 for the W4A8KV4
     recipes). On a GPU a packed model runs the W4A8 GEMM kernels and the KV4 decode-attention
-    kernel; on the CPU the same loop runs the exact reference path. Greedy only: the output
-    is what the model ranks first, so two runs (and the two devices, up to rounding) agree.
+    kernel, the float parts in fp16 and each decode step replayed from a CUDA graph; on the CPU
+    the same loop runs the exact reference path. Greedy only: the output is what the model
+    ranks first, so two runs (and the two devices, up to rounding) agree.
 
     Examples:
 
@@ -296,7 +299,7 @@ def generate(
     from qoqtool.runtime.loading import load_any
 
     with ui.err.status(f"loading {model} ..."):  # (transient: a refusal below stays one line)
-        loaded = load_any(model, device=device)
+        loaded = load_any(model, device=device, dtype="float16" if device == "cuda" else "float32")
     tokenizer = loaded.tokenizer
     head_dim = ModelAdapter(loaded.model).head_dim
     if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -317,7 +320,7 @@ def generate(
     with ui.progress_bar("generate", enabled=not quiet) as bar:
         result, paths = counting_linear_paths(lambda: generate_paged(
             loaded.model, ids, max_new_tokens, page_size=page_size, stop_tokens=stop,
-            progress=lambda done, total: bar("tokens per prompt", done, total)))
+            cuda_graph=None if cuda_graph else False, progress=lambda done, total: bar("tokens per prompt", done, total)))
     seconds = time.perf_counter() - t0  # (each step's argmax().tolist() has waited for the GPU)
     new_tokens = sum(len(t) for t in result.tokens)
     completions = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]

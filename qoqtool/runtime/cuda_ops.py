@@ -915,7 +915,7 @@ def _with_bias(module, y: Tensor, x: Tensor) -> Tensor:
     return y.to(x.dtype).reshape(*x.shape[:-1], module.out_features)
 
 
-def packed_linear_forward(module, x: Tensor) -> Tensor:
+def packed_linear_forward(module, x: Tensor, quantized: tuple[Tensor, ...] | None = None) -> Tensor:
     """y = module(x) on the GPU kernels for a packed linear (qoqtool.runtime.packed_linear).
 
     x: any leading dims, fp16/bf16/fp32 (W4A8: quantized from fp16; W4A16: multiplied in fp16);
@@ -923,9 +923,12 @@ def packed_linear_forward(module, x: Tensor) -> Tensor:
     float group scales and INT8 activations, per-channel UINT4 with unquantized activations) so
     that the caller can fall back to the reference path. A module with outliers (`has_outliers`,
     buffers tc_*) gets them from the fused kernel when `fuses_outliers(module, tokens)`, and not
-    at all otherwise (the caller adds them).
+    at all otherwise (the caller adds them). `quantized`: (x_q, x_scale, x_rowsum) of x as a
+    fused kernel computed them (W4A8 only; qoqtool.runtime.fusion), used instead of quantizing x.
     """
     if module.act_bits == 16:
+        if quantized is not None:
+            raise ValueError("W4A16 linears take unquantized activations")
         return _w4a16_forward(module, x)
     if module.act_bits != 8:
         raise NotImplementedError(f"no kernel for {module.act_bits}-bit activations")
@@ -936,7 +939,10 @@ def packed_linear_forward(module, x: Tensor) -> Tensor:
         raise NotImplementedError(f"no kernel for packed format {kind!r}")
     if x.shape[-1] != module.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the layer takes {module.in_features}")
-    x_q, x_scale, x_rowsum = _quantized_input(x, module.k_padded)
+    x_q, x_scale, x_rowsum = quantized or _quantized_input(x, module.k_padded)
+    if x_q.shape != (x.numel() // x.shape[-1], module.k_padded):
+        raise ValueError(f"the quantized input is {list(x_q.shape)}, the layer needs "
+                         f"[{x.numel() // x.shape[-1]}, {module.k_padded}]")
     n = module.out_features
     ops = torch.ops.qoqtool
     rowsum = {}  # the dense per-group GEMM takes the row sums as an option (a cheaper wgmma main loop)

@@ -26,7 +26,9 @@ on smollm2 W4A8 even two fp32 CPU paths differed by 2.6 logits on one prompt (to
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +36,9 @@ import torch.nn.functional as F
 
 from qoqtool.models.adapter import ModelAdapter
 from qoqtool.runtime.attention import attention_modules, queries_and_cached_keys
-from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache, pages_needed
+from qoqtool.runtime.fusion import mlp_output, normed_linears
+from qoqtool.runtime import packed_linear
+from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache, StepPlan, pages_needed
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -61,7 +65,9 @@ def model_kv_bits(model) -> int:
 
 def _forward(adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
     """The decoder on ids [B, T] at positions [B, T], attention(layer, module, q, k, v) -> o,
-    all [B, heads, T, head_dim] with q and k after RoPE. Returns the final hidden states."""
+    all [B, heads, T, head_dim] with q and k after RoPE. Returns the final hidden states.
+    (Each layer as transformers' Llama layer computes it, with the norms and the MLP's product
+    fused into the packed linears' input quantization where the kernels allow: runtime.fusion.)"""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     h = adapter.embed_tokens(ids)
@@ -69,14 +75,14 @@ def _forward(adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, 
     batch, steps = ids.shape
     for i in range(adapter.num_layers):
         parts = adapter.parts(i)
-        x = parts.input_norm(h)
-        q, k, v = (proj(x).view(batch, steps, -1, adapter.head_dim).transpose(1, 2)
-                   for proj in (parts.q_proj, parts.k_proj, parts.v_proj))
+        q, k, v = (y.view(batch, steps, -1, adapter.head_dim).transpose(1, 2)
+                   for y in normed_linears(parts.input_norm, h, (parts.q_proj, parts.k_proj, parts.v_proj)))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         q, k = queries_and_cached_keys(parts.attn, q, k)  # as qoq_attention: rotated, shifted keys
         o = attention(i, parts.attn, q, k, v)
         h = h + parts.o_proj(o.transpose(1, 2).reshape(batch, steps, -1))
-        h = h + parts.mlp(parts.post_norm(h))
+        gate, up = normed_linears(parts.post_norm, h, (parts.gate_proj, parts.up_proj))
+        h = h + mlp_output(parts.mlp, gate, up)
     return adapter.final_norm(h)
 
 
@@ -96,9 +102,8 @@ def _prefill(adapter: ModelAdapter, cache: PagedKVCache, seq: int, ids: list[int
     return adapter.lm_head(h[:, -1]).float()
 
 
-def _decode_step(adapter: ModelAdapter, cache: PagedKVCache, seqs: list[int], tokens: torch.Tensor) -> torch.Tensor:
-    """One token for each sequence (tokens [B]); returns logits [B, vocab]."""
-    plan = cache.plan(seqs, [1] * len(seqs))
+def _decode(adapter: ModelAdapter, cache: PagedKVCache, plan: StepPlan, tokens: torch.Tensor) -> torch.Tensor:
+    """One token for each planned sequence (tokens [B]); returns logits [B, vocab]."""
 
     def attention(layer, module, q, k, v):
         cache.append(layer, k[:, :, 0], v[:, :, 0], plan)
@@ -109,14 +114,107 @@ def _decode_step(adapter: ModelAdapter, cache: PagedKVCache, seqs: list[int], to
     return adapter.lm_head(h[:, -1]).float()
 
 
+class DecodeSteps:
+    """The decode steps of one batch of sequences, up to `capacity` tokens each: every call
+    plans one new token per sequence on the host (cache pages, slots), then runs the model on
+    it - eagerly, or, with cuda_graph, by replaying a CUDA graph of the whole step.
+
+    A graph fixes every launch, so the step's inputs live in static buffers that each call
+    overwrites: the new tokens, their cache slots, the context lengths, and the page table
+    padded to the pages of `capacity` tokens. Decode attention is planned for `capacity`
+    tokens (its splits past a sequence's end exit at once, kernels/kv_attention.cu). The first
+    call runs eagerly on those buffers - it loads the kernels and allocates their workspaces -
+    and the graph is captured after it. Why: a decode step is hundreds of small launches (the
+    demo model: 30 layers of ~15), which Python issues far slower than the GPU runs them."""
+
+    def __init__(self, adapter: ModelAdapter, cache: PagedKVCache, seqs: list[int], capacity: int,
+                 cuda_graph: bool | None = None):
+        self.adapter, self.cache, self.seqs = adapter, cache, list(seqs)
+        self.cuda_graph = graphs_by_default(cache) if cuda_graph is None else cuda_graph
+        if self.cuda_graph and not cache.use_kernels:
+            raise ValueError("CUDA graphs need the KV cache's kernels (a cache on a GPU with use_kernels)")
+        self.graph = None
+        if self.cuda_graph:
+            self.tokens = torch.zeros(len(self.seqs), dtype=torch.long, device=cache.device)
+            self.plan = static_plan(cache, self.seqs, capacity)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] after tokens [B], one per sequence."""
+        step = self.cache.plan(self.seqs, [1] * len(self.seqs))
+        if not self.cuda_graph:
+            return _decode(self.adapter, self.cache, step, tokens)
+        self.tokens.copy_(tokens)
+        load_step(self.plan, step)
+        if self.graph is None:
+            logits = _decode(self.adapter, self.cache, self.plan, self.tokens)
+            try:
+                self._capture()
+            except RuntimeError as err:  # (a model whose modules sync with the host, say)
+                warnings.warn(f"decoding without a CUDA graph: capturing the decode step failed ({err})")
+                self.cuda_graph = False
+            return logits
+        self.graph.replay()
+        packed_linear.path_calls.update(self.graph_paths)
+        return self.logits
+
+    def _capture(self) -> None:
+        before = dict(packed_linear.path_calls)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = _decode(self.adapter, self.cache, self.plan, self.tokens)
+        # Capturing ran the Python but no kernel: the linears' calls it counted are the graph's,
+        # taken back here and counted again at every replay.
+        self.graph_paths = {p: n - before.get(p, 0) for p, n in packed_linear.path_calls.items() if n != before.get(p, 0)}
+        for path, n in self.graph_paths.items():
+            packed_linear.path_calls[path] -= n
+            if not packed_linear.path_calls[path]:
+                del packed_linear.path_calls[path]
+        self.graph = graph
+
+
+def static_plan(cache: PagedKVCache, seqs: list[int], capacity: int) -> StepPlan:
+    """A StepPlan of one new token per sequence whose tensors can serve every step up to
+    `capacity` tokens a sequence (load_step fills them): the page table as wide as `capacity`
+    needs, attention split for `capacity` tokens."""
+    batch, device, size = len(seqs), cache.device, cache.layout.page_size
+    width = cache.pages_for(capacity, size)
+    plan = StepPlan(list(seqs), slots=torch.zeros(batch, dtype=torch.int32, device=device),
+                    page_table=torch.zeros(batch, width, dtype=torch.int32, device=device),
+                    context_lens=torch.ones(batch, dtype=torch.int32, device=device), max_len=width * size)
+    if cache.use_kernels:
+        from qoqtool.runtime.attention_ops import plan_splits
+
+        plan.num_splits, plan.blocks_per_split = plan_splits(batch, cache.layout.num_kv_heads, plan.max_len, device)
+    return plan
+
+
+def load_step(static: StepPlan, step: StepPlan) -> None:
+    """Copy one step's plan (PagedKVCache.plan) into static_plan's tensors."""
+    pages = step.page_table.shape[1]
+    if pages > static.page_table.shape[1] or step.seqs != static.seqs:
+        raise ValueError(f"this step does not fit its static plan (sequences {step.seqs} vs {static.seqs}, "
+                         f"{step.max_len} tokens vs {static.max_len})")
+    static.slots.copy_(step.slots)
+    static.context_lens.copy_(step.context_lens)
+    static.page_table[:, :pages].copy_(step.page_table)  # (the columns past it: no sequence reaches them)
+
+
+def graphs_by_default(cache: PagedKVCache) -> bool:
+    """CUDA graphs for decode steps where the cache runs its kernels (on a GPU), unless
+    QOQTOOL_CUDA_GRAPHS=0. (The cache's torch reference reads lengths on the host.)"""
+    return cache.use_kernels and os.environ.get("QOQTOOL_CUDA_GRAPHS", "1") != "0"
+
+
 @torch.no_grad()
 def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits: int | None = None,
                    page_size: int = 64, keep_logits: bool = False, use_kernels: bool | None = None,
-                   stop_tokens: frozenset[int] = frozenset(), progress=None) -> Generation:
+                   stop_tokens: frozenset[int] = frozenset(), progress=None,
+                   cuda_graph: bool | None = None) -> Generation:
     """Greedy decoding of all prompts in one batch through a paged KV cache of kv_bits
     (default: the model's own qoq_kv_bits) on the model's device. A sequence that emits one of
     `stop_tokens` ends there (that token is its last); decoding stops when all have ended.
-    progress(done_steps, max_new_tokens) after each step."""
+    progress(done_steps, max_new_tokens) after each step. cuda_graph: decode steps replayed
+    from a CUDA graph (DecodeSteps; default: on a GPU)."""
     adapter = ModelAdapter(model)
     device = adapter.embed_tokens.weight.device
     bits = model_kv_bits(model) if kv_bits is None else kv_bits
@@ -124,6 +222,7 @@ def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits
     pages = pages_needed([len(p) + max_new_tokens for p in prompts], page_size)
     cache = PagedKVCache(layout, adapter.num_layers, pages, device, use_kernels)
     seqs = [cache.add_sequence() for _ in prompts]
+    decode = DecodeSteps(adapter, cache, seqs, max(len(p) for p in prompts) + max_new_tokens, cuda_graph)
     logits = torch.cat([_prefill(adapter, cache, seq, ids) for seq, ids in zip(seqs, prompts)])
     result = Generation([[] for _ in prompts], [[] for _ in prompts] if keep_logits else [])
     running = [True] * len(prompts)  # (an ended sequence still decodes with the batch; its tokens are dropped)
@@ -138,7 +237,7 @@ def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits
         if progress:
             progress(step + 1, max_new_tokens)
         if step + 1 < max_new_tokens and any(running):
-            logits = _decode_step(adapter, cache, seqs, tokens)
+            logits = decode(tokens)
         else:
             break
     if keep_logits:
@@ -148,24 +247,26 @@ def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits
 
 @torch.no_grad()
 def score_paged(model, windows: torch.Tensor, page_size: int = 64, use_kernels: bool | None = None,
-                progress=None) -> float:
+                progress=None, cuda_graph: bool | None = None) -> float:
     """The summed negative log-likelihood of windows [B, T] (token t + 1 given tokens 0..t, the
     first token context only), scored by teacher-forced decoding: all B windows advance one
     token per step through a paged KV cache of the model's own KV bits, so every linear sees
     B tokens and attention runs the decode path - the serving regime, where a packed model on a
     GPU runs the small-M stream and fused sparse-dense GEMM kernels and the KV decode kernel.
     Per-token KV quantization makes this the same model as the full-window forward pass; the
-    two differ by rounding only. progress(done_steps, steps) after each step."""
+    two differ by rounding only. progress(done_steps, steps) after each step; cuda_graph as in
+    generate_paged."""
     adapter = ModelAdapter(model)
     device = adapter.embed_tokens.weight.device
     batch, steps = windows.shape
     layout = KVCacheLayout(model_kv_bits(model), adapter.head_dim, adapter.num_kv_heads, page_size)
     cache = PagedKVCache(layout, adapter.num_layers, pages_needed([steps] * batch, page_size), device, use_kernels)
     seqs = [cache.add_sequence() for _ in range(batch)]
+    decode = DecodeSteps(adapter, cache, seqs, steps, cuda_graph)
     windows = windows.to(device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for t in range(steps - 1):
-        logits = _decode_step(adapter, cache, seqs, windows[:, t])
+        logits = decode(windows[:, t])
         total += F.cross_entropy(logits, windows[:, t + 1], reduction="sum").double()
         if progress:
             progress(t + 1, steps - 1)

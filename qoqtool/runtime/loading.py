@@ -91,7 +91,9 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
 
 
 def load_any(spec: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
-    """Open `spec`: a qoqtool folder (quantized or packed) or an original model."""
+    """Open `spec`: a qoqtool folder (quantized or packed) or an original model, the float
+    tensors of an original model or a packed folder in `dtype` (a quantized folder, run on
+    the reference path, computes in float32)."""
     path = Path(spec).expanduser()
     manifest = fs.read_manifest(path) if path.is_dir() else None
     if manifest is None:
@@ -108,7 +110,7 @@ def load_any(spec: str, device: str = "cpu", dtype: str = "float32") -> LoadedMo
     elif fmt == "qoqtool-packed":
         from qoqtool.packing.packed import load_packed_folder
 
-        model = load_packed_folder(path, manifest, device)
+        model = load_packed_folder(path, manifest, device, getattr(torch, dtype))
         kind = "packed"
     else:
         raise UserError(f"{spec} has a qoqtool.json of unknown format {fmt!r}; it was written by another tool")

@@ -167,23 +167,28 @@ class PackedLinear(nn.Module):
         self.__dict__.pop("_sparse", None)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """y = x W^T (+ bias). `quantized`: x's per-token INT8 codes, scales and row sums,
+        already computed by a fused kernel (qoqtool.runtime.fusion; CUDA, W4A8 only) - then x
+        itself is never read, and gives only the output's dtype and leading shape."""
         if x.is_cuda and self.use_kernels:
             ops = _kernels()
             if ops is not None:
                 path = ops.kernel_path(self, x.numel() // x.shape[-1])
                 try:
-                    y = ops.packed_linear_forward(self, x)  # outliers included unless PATH_SEPARATE
+                    y = ops.packed_linear_forward(self, x, quantized)  # outliers included unless PATH_SEPARATE
                     if path == ops.PATH_SEPARATE:
-                        y = y + self._sparse_term(ops, x).to(y.dtype)
+                        y = y + self._sparse_term(ops, x, quantized).to(y.dtype)
                     path_calls[path] += 1
                     return y
                 except NotImplementedError:
                     self.use_kernels = False  # no kernel for this format: reference path from now on
+        if quantized is not None:
+            raise ValueError("a pre-quantized input needs the CUDA kernels")
         path_calls[REFERENCE_PATH] += 1
         return self.reference()(x)
 
-    def _sparse_term(self, ops, x: torch.Tensor) -> torch.Tensor:
+    def _sparse_term(self, ops, x: torch.Tensor, quantized=None) -> torch.Tensor:
         """The outliers' product on CUDA, in torch, after the dense kernel.
 
         STOPGAP where the fused sparse-dense kernel does not apply (more than
@@ -193,6 +198,6 @@ class PackedLinear(nn.Module):
         not computed twice) and applies the token scale last, as `QuantLinear` does.
         Tested only on a GPU (tests/test_packing_outliers.py, `gpu` mark).
         """
-        x_q, x_scale, _ = ops._quantized_input(x, self.k_padded)
+        x_q, x_scale, _ = quantized or ops._quantized_input(x, self.k_padded)
         y = self.sparse().matmul(x_q[:, : self.in_features].float()) * x_scale.float()[:, None]
         return y.reshape(*x.shape[:-1], self.out_features)

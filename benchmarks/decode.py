@@ -1,0 +1,171 @@
+"""Decode steps end to end (one GPU): a W4A8KV4-packed model through qoqtool's kernels against
+the same model in fp16, both through the same serving loop (qoqtool.runtime.generate's paged
+KV cache and DecodeSteps), both replayed from CUDA graphs.
+
+    python benchmarks/decode.py [--shapes smollm2-135m,llama2-7b,llama3-8b] [--batches 1,16,64]
+                                [--context 1024] [--steps 64] [--json PATH]
+
+The models are the named architectures' shapes with random weights (no hub here; the speed of
+a step does not depend on the values): transformers builds the fp16 model on the GPU, which is
+the baseline - cuBLAS fp16 GEMMs, an fp16 paged KV cache, qoqtool's decode-attention kernel at
+16 bits. Then every decoder linear is replaced by a packed W4A8 linear (QoQ progressive g128:
+the codes of one quantized layer, copied into every layer's own buffers so that each layer
+streams its own weights), and the default recipe's run-time parts are switched on (the KV4
+cache, the online key rotation and down_proj rotation of qoq-w4a8kv4-g128); embeddings, norms
+and lm_head stay fp16, as in a packed folder.
+
+Each (shape, batch): `batch` sequences of `context` tokens already in the cache (their pages
+planned, their K/V left at zero: the work does not depend on the values), then `steps` decode
+steps timed as `qoqtool generate` runs them - plan the step on the host, replay the graph,
+argmax, read the tokens back - and the same number of bare graph replays (GPU time of a step,
+timed by CUDA events). The packed model is also timed without the fused norm + quantization
+kernels (qoqtool.runtime.fusion, "unfused"), and with --eager without a graph (the launch
+overhead the graph removes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+
+from qoqtool.runtime import fusion
+
+SHAPES = {  # transformers LlamaConfig fields
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, head_dim=128, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256),
+}
+RECIPE = "qoq-w4a8kv4-g128"
+PAGE_SIZE = 64
+
+
+def fp16_model(shape: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=16384, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    return model.eval()
+
+
+def pack_in_place(model) -> None:
+    """Every decoder linear -> a packed W4A8 linear of the recipe's weights (one layer's codes,
+    each layer its own copy), and the recipe's run-time configuration."""
+    from qoqtool.models.adapter import LINEAR_NAMES, ModelAdapter
+    from qoqtool.quantizers.schemes import WeightScheme
+    from qoqtool.recipe import load_recipe
+    from qoqtool.runtime.attention import configure_attention
+    from qoqtool.runtime.mlp import configure_mlp
+    from qoqtool.runtime.packed_linear import PackedLinear
+
+    recipe = load_recipe(RECIPE)
+    scheme = WeightScheme(recipe.weights)
+    adapter = ModelAdapter(model)
+    packed = {}
+    for i in range(adapter.num_layers):
+        layer = adapter.decoder.layers[i]
+        for parent in (layer.self_attn, layer.mlp):
+            for name in LINEAR_NAMES:
+                linear = getattr(parent, name, None)
+                if linear is None:
+                    continue
+                if name not in packed:
+                    weight = scheme.quantize(linear.weight.detach().float().cpu())
+                    packed[name] = PackedLinear.pack(weight, None, recipe.act_bits).cuda()
+                setattr(parent, name, copy.deepcopy(packed[name]))
+    torch.cuda.empty_cache()
+    configure_attention(model, recipe.to_dict())
+    configure_mlp(model, recipe.to_dict())
+
+
+def time_steps(model, batch: int, context: int, steps: int, cuda_graph: bool) -> dict:
+    """Milliseconds per decode step: the serving loop's, and (with a graph) the bare replay's."""
+    from qoqtool.models.adapter import ModelAdapter
+    from qoqtool.runtime.generate import DecodeSteps, model_kv_bits
+    from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache, pages_needed
+
+    adapter = ModelAdapter(model)
+    capacity = context + 2 * steps + 4
+    layout = KVCacheLayout(model_kv_bits(model), adapter.head_dim, adapter.num_kv_heads, PAGE_SIZE)
+    cache = PagedKVCache(layout, adapter.num_layers, pages_needed([capacity] * batch, PAGE_SIZE), "cuda")
+    seqs = [cache.add_sequence() for _ in range(batch)]
+    cache.plan(seqs, [context - 1] * batch)  # the context's pages (K/V zeros: the work is the same)
+    decode = DecodeSteps(adapter, cache, seqs, capacity, cuda_graph)
+    tokens = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
+    tokens = decode(decode(tokens).argmax(dim=-1)).argmax(dim=-1)  # eager, capture; one replay
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):  # as generate_paged: plan, replay, argmax, tokens to the host
+        tokens = decode(tokens).argmax(dim=-1)
+        tokens.tolist()
+    loop_ms = (time.perf_counter() - t0) / steps * 1e3
+    row = {"batch": batch, "context": context, "kv_bits": layout.bits, "loop_ms": loop_ms,
+           "tokens_per_s": batch / loop_ms * 1e3, "cuda_graph": decode.graph is not None}
+    if decode.graph is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            decode.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        row["replay_ms"] = start.elapsed_time(end) / steps
+    del decode, cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="smollm2-135m,llama2-7b,llama3-8b")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--eager", action="store_true", help="also the packed model's loop without a CUDA graph")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.steps} steps after "
+          f"{args.context} tokens of context; ms per step (loop: plan + replay + argmax + tokens to the host; "
+          f"replay: the graph alone)")
+    results = []
+    for shape in args.shapes.split(","):
+        model = fp16_model(shape)
+        fp16 = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
+        pack_in_place(model)
+        ours = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
+        fusion.ENABLED = False  # the same without the fused norm / MLP-product quantization kernels
+        unfused = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
+        fusion.ENABLED = True
+        eager = {b: time_steps(model, b, args.context, max(4, args.steps // 8), False) for b in batches} if args.eager else {}
+        print(f"\n{shape}: fp16 (cuBLAS, KV16) vs packed {RECIPE} (qoqtool kernels, KV4)")
+        print(f"{'batch':>5} | {'fp16 loop':>9} | {'W4A8KV4 loop':>12} | {'speedup':>7} | {'fp16 replay':>11} | "
+              f"{'W4A8KV4 replay':>14} | {'speedup':>7} | {'tokens/s':>9} | {'unfused replay':>14}"
+              + (" | eager loop" if eager else ""))
+        for b in batches:
+            f, o = fp16[b], ours[b]
+            line = (f"{b:>5} | {f['loop_ms']:>9.3f} | {o['loop_ms']:>12.3f} | {f['loop_ms'] / o['loop_ms']:>6.2f}x | "
+                    f"{f['replay_ms']:>11.3f} | {o['replay_ms']:>14.3f} | {f['replay_ms'] / o['replay_ms']:>6.2f}x | "
+                    f"{o['tokens_per_s']:>9.0f} | {unfused[b]['replay_ms']:>8.3f} ({unfused[b]['replay_ms'] / o['replay_ms']:.2f}x)")
+            if eager:
+                line += f" | {eager[b]['loop_ms']:.3f} ({eager[b]['loop_ms'] / o['loop_ms']:.1f}x the graph's)"
+            print(line)
+            results.append({"shape": shape, "batch": b, "fp16": f, "w4a8kv4": o, "w4a8kv4_unfused": unfused[b],
+                            **({"eager": eager[b]} if eager else {})})
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps,
+                       "context": args.context, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

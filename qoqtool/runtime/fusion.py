@@ -1,0 +1,70 @@
+"""The kernels between packed linears on CUDA: one launch where torch would take several.
+
+A W4A8 linear quantizes its input per token before its GEMM. Where a norm or the MLP's
+product feeds packed linears, the fused kernels (kernels/fused_ops.cu) compute that input
+and its INT8 codes in one pass, so the fp16 tensor between them is never written:
+
+    normed_linears(norm, h, (q, k, v))   RMSNorm + per-token quantization, once for all three
+    mlp_output(mlp, gate, up)            silu(gate) * up + quantization, feeding down_proj
+
+Each falls back to the modules' own forward (the same computation, unfused) wherever the
+fused kernel does not apply: on the CPU, for linears that are not packed W4A8 linears running
+kernels, for inputs that are not fp16, for a norm that is not a plain RMSNorm with an fp16
+weight, and for an MLP whose down_proj input is rotated online (the rotation sits between the
+product and the quantization). The fused ops round as the unfused path does (fp16 norm output,
+then the per-token scale) but sum in another order, so they agree with it up to rounding, not
+bit for bit. QOQTOOL_FUSED_NORMS=0 turns them off (to measure what they save).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from qoqtool.runtime.mlp import ROTATION, has_down_rotation
+from qoqtool.runtime.packed_linear import PackedLinear, _kernels
+
+ENABLED = os.environ.get("QOQTOOL_FUSED_NORMS", "1") != "0"
+SILU = {"SiLU", "SiLUActivation"}  # torch's, and transformers' (ACT2FN["silu"])
+
+
+def _kernel_w4a8(linears, x: torch.Tensor) -> bool:
+    """Whether every linear is a packed W4A8 linear whose kernel takes x (fp16 on CUDA)."""
+    return (ENABLED and x.is_cuda and x.dtype == torch.float16 and _kernels() is not None
+            and all(isinstance(m, PackedLinear) and m.use_kernels and m.act_bits == 8
+                    and m.in_features == x.shape[-1] for m in linears)
+            and len({m.k_padded for m in linears}) == 1)
+
+
+def _plain_rmsnorm(norm: nn.Module) -> bool:
+    """Llama/Mistral/Qwen2's RMSNorm: weight * fp16(x * rsqrt(mean(x^2) + eps)), fp16 weight."""
+    weight = getattr(norm, "weight", None)
+    return (type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
+            and weight is not None and weight.dtype == torch.float16)
+
+
+def normed_linears(norm: nn.Module, h: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """[linear(norm(h)) for linear in linears], the norm and the quantization fused when it can."""
+    if _plain_rmsnorm(norm) and _kernel_w4a8(linears, h):
+        x = h.reshape(-1, h.shape[-1]).contiguous()
+        quantized = torch.ops.qoqtool.rmsnorm_quantize(x, norm.weight, float(norm.variance_epsilon),
+                                                       linears[0].k_padded)
+        return [linear(h, quantized=quantized) for linear in linears]
+    x = norm(h)
+    return [linear(x) for linear in linears]
+
+
+def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """down_proj(act_fn(gate) * up) - rotated first where the recipe rotates it online
+    (qoqtool.runtime.mlp) - the product and the quantization fused when they can be."""
+    down = mlp.down_proj
+    if (not has_down_rotation(mlp) and type(mlp.act_fn).__name__ in SILU and gate.dtype == up.dtype
+            and _kernel_w4a8((down,), gate)):
+        g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))
+        return down(gate, quantized=torch.ops.qoqtool.silu_mul_quantize(g, u, down.k_padded))
+    x = mlp.act_fn(gate) * up
+    if has_down_rotation(mlp):
+        x = getattr(mlp, ROTATION)(x)
+    return down(x)
