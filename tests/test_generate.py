@@ -156,14 +156,16 @@ def prefilled(model, prompts, steps, page_size=16):
 
 
 def decode_on_a_static_plan(model, prompts, steps, capacity):
-    """Greedy logits [steps, B, vocab], each step run eagerly on static_plan's padded tensors."""
+    """Greedy logits [steps, B, vocab], each step run eagerly on static_plan's padded tensors;
+    the cache; the steps' packed-linear calls by path."""
     adapter, cache, seqs, logits = prefilled(model, prompts, steps)
     static, rows = static_plan(cache, seqs, capacity), []
+    packed_linear.path_calls.clear()
     for _ in range(steps):
         load_step(static, cache.plan(seqs, [1] * len(seqs)))
         logits = _decode(adapter, cache, static, logits.argmax(dim=-1))
         rows.append(logits)
-    return torch.stack(rows), cache
+    return torch.stack(rows), cache, dict(packed_linear.path_calls)
 
 
 PROMPT_IDS = [[5, 9, 3, 77], [12, 40, 41, 8, 100, 2, 2, 64, 90, 13, 7, 300, 411], [511]]
@@ -174,7 +176,7 @@ def test_a_static_plan_decodes_as_the_step_plan(packed_qoq):
     the capacity, attention planned for the capacity. On the reference path that gives the
     logits and the cache bytes of the exact per-step plans, bit for bit."""
     model = qoqtool.load(str(packed_qoq)).model
-    got, got_cache = decode_on_a_static_plan(model, PROMPT_IDS, 8, capacity=64)
+    got, got_cache, _ = decode_on_a_static_plan(model, PROMPT_IDS, 8, capacity=64)
     adapter, cache, seqs, logits = prefilled(model, PROMPT_IDS, 8)
     decode = DecodeSteps(adapter, cache, seqs, 64)
     assert not decode.cuda_graph  # (the CPU cache: eager, on each step's own plan)
@@ -212,6 +214,34 @@ def test_the_fused_decoder_parts_fall_back_to_the_modules_off_the_gpu(packed_qoq
         parts.q_proj(h, quantized=(h,))
 
 
+def test_merged_linears_are_the_linears_stacked_and_share_their_weights():
+    """merged_linear stacks the rows of q/k/v-like packed linears into one (whose output splits
+    into theirs, bit for bit on the reference path), leaves each linear's weight as it was and
+    stores it once; it refuses linears that cannot be stacked."""
+    from qoqtool.quantizers.outliers import SparseOutliers
+    from qoqtool.quantizers.schemes import WeightQuantConfig, WeightScheme
+    from qoqtool.runtime.fusion import merged_linear
+
+    scheme = WeightScheme(WeightQuantConfig(4, 128, "progressive"))
+    g = torch.Generator().manual_seed(0)
+    linears = tuple(packed_linear.PackedLinear.pack(scheme.quantize(torch.randn(n, 200, generator=g)), None, 8)
+                    for n in (128, 64, 64))
+    before = [m.unpacked().tensors() for m in linears]
+    merged = merged_linear(linears)
+    assert (merged.out_features, merged.in_features) == (256, 200) and merged_linear(linears) is merged
+    x = torch.randn(3, 200, generator=g)
+    for m, want, y in zip(linears, before, merged(x).split([128, 64, 64], dim=-1)):
+        assert all(torch.equal(a, want[name]) for name, a in m.unpacked().tensors().items())
+        assert m.qweight.untyped_storage().data_ptr() == merged.qweight.untyped_storage().data_ptr()
+        assert torch.equal(m(x), y)
+    odd = packed_linear.PackedLinear.pack(scheme.quantize(torch.randn(48, 200, generator=g)), None, 8)  # 48 rows: padded
+    assert merged_linear((odd, linears[1])) is None
+    sparse = SparseOutliers(torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+                            torch.tensor([0.5], dtype=torch.float16), (64, 200))
+    with_outliers = packed_linear.PackedLinear.pack(scheme.quantize(torch.randn(64, 200, generator=g)), None, 8, sparse)
+    assert merged_linear((linears[1], with_outliers)) is None
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernels run there)")
 
 
@@ -223,7 +253,8 @@ def test_decode_steps_from_a_cuda_graph_are_the_eager_steps(packed_qoq, recwarn,
     eagerly on the same static plan (the same kernels and launch shapes), with every replay's
     linear calls counted by path. In float16 the norms are fused into the quantization."""
     model = qoqtool.load(str(packed_qoq), device="cuda", dtype=dtype).model
-    want, want_cache = decode_on_a_static_plan(model, PROMPT_IDS, 8, capacity=64)
+    want, want_cache, want_paths = decode_on_a_static_plan(model, PROMPT_IDS, 8, capacity=64)
+    assert want_paths and REFERENCE_PATH not in want_paths
     adapter, cache, seqs, logits = prefilled(model, PROMPT_IDS, 8)
     decode = DecodeSteps(adapter, cache, seqs, 64)
     assert decode.cuda_graph
@@ -232,8 +263,7 @@ def test_decode_steps_from_a_cuda_graph_are_the_eager_steps(packed_qoq, recwarn,
         logits = decode(logits.argmax(dim=-1))
         assert torch.equal(logits, want[step]), f"step {step}"
     assert decode.graph is not None and not [w for w in recwarn if "CUDA graph" in str(w.message)]
-    linears = sum(isinstance(m, packed_linear.PackedLinear) for m in model.modules())
-    assert dict(packed_linear.path_calls) == {"kernel": 8 * linears}
+    assert dict(packed_linear.path_calls) == want_paths
     assert torch.equal(cache.pool, want_cache.pool)
     # and through generate_paged, where the eager steps use their own (unpadded) plans: same greedy start
     tokens = generate_paged(model, PROMPT_IDS, 4, page_size=16).tokens
@@ -245,7 +275,8 @@ def test_decode_steps_from_a_cuda_graph_are_the_eager_steps(packed_qoq, recwarn,
 @gpu
 def test_fused_norms_agree_with_the_unfused_layers(packed_qoq, monkeypatch):
     """In float16 on CUDA q/k/v and gate/up take their INT8 input from the fused RMSNorm +
-    quantization kernel (and the greedy decoding agrees with the unfused path to rounding)."""
+    quantization kernel, merged into one GEMM each with the same outputs; the greedy decoding
+    agrees with the unfused path to rounding."""
     from qoqtool.runtime import fusion
 
     model = qoqtool.load(str(packed_qoq), device="cuda", dtype="float16").model
@@ -256,12 +287,18 @@ def test_fused_norms_agree_with_the_unfused_layers(packed_qoq, monkeypatch):
         return forward(self, x, quantized)
 
     monkeypatch.setattr(packed_linear.PackedLinear, "forward", spy)
-    fused, _ = decode_on_a_static_plan(model, PROMPT_IDS, 4, capacity=64)
+    monkeypatch.setattr(fusion, "MERGE", False)
+    fused, _, _ = decode_on_a_static_plan(model, PROMPT_IDS, 4, capacity=64)
     forwards = model.config.num_hidden_layers * (len(PROMPT_IDS) + 4)  # (layers x (prefills + steps))
     assert (sum(fed), len(fed)) == (5 * forwards, 7 * forwards)  # q, k, v, gate, up fed; o_proj, down_proj not
     fed.clear()
+    monkeypatch.setattr(fusion, "MERGE", True)  # q/k/v and gate/up as one GEMM each: the same sums
+    merged, _, _ = decode_on_a_static_plan(model, PROMPT_IDS, 4, capacity=64)
+    assert (sum(fed), len(fed)) == (2 * forwards, 4 * forwards)
+    assert torch.equal(merged, fused)
+    fed.clear()
     monkeypatch.setattr(fusion, "ENABLED", False)
-    plain, _ = decode_on_a_static_plan(model, PROMPT_IDS, 4, capacity=64)
+    plain, _, _ = decode_on_a_static_plan(model, PROMPT_IDS, 4, capacity=64)
     assert not any(fed)
     assert torch.equal(fused.argmax(dim=-1)[0], plain.argmax(dim=-1)[0])
     error = (fused[0] - plain[0]).norm() / plain[0].norm()

@@ -109,7 +109,8 @@ def enable_key_rotation(model, head_dim: int, seed: int) -> None:
     online, after RoPE: a head_dim x head_dim product per head and token."""
     from qoqtool.transforms.hadamard import random_hadamard
 
-    rotation = random_hadamard(head_dim, seed).float().to(model.get_input_embeddings().weight.device)
+    embeddings = model.get_input_embeddings().weight  # (its dtype: the queries' and keys', no cast per call)
+    rotation = random_hadamard(head_dim, seed).to(device=embeddings.device, dtype=embeddings.dtype)
     for module in attention_modules(model):
         # A non-persistent buffer: it follows the module between devices (calibration moves
         # one layer at a time) and stays out of the state dict; the recipe recreates it.

@@ -4,7 +4,8 @@ A W4A8 linear quantizes its input per token before its GEMM. Where a norm or the
 product feeds packed linears, the fused kernels (kernels/fused_ops.cu) compute that input
 and its INT8 codes in one pass, so the fp16 tensor between them is never written:
 
-    normed_linears(norm, h, (q, k, v))   RMSNorm + per-token quantization, once for all three
+    normed_linears(norm, h, (q, k, v))   RMSNorm + per-token quantization, once for all three,
+                                         and one GEMM for all three (merged_linear)
     mlp_output(mlp, gate, up)            silu(gate) * up + quantization, feeding down_proj
 
 Each falls back to the modules' own forward (the same computation, unfused) wherever the
@@ -14,6 +15,11 @@ weight, and for an MLP whose down_proj input is rotated online (the rotation sit
 product and the quantization). The fused ops round as the unfused path does (fp16 norm output,
 then the per-token scale) but sum in another order, so they agree with it up to rounding, not
 bit for bit. QOQTOOL_FUSED_NORMS=0 turns them off (to measure what they save).
+
+Linears that read one quantized input (q, k, v; gate, up) also run as one GEMM over their
+stacked rows: merged_linear builds that packed linear once, and the linears' own buffers
+become views into its buffers, so the weights are stored once. The INT32 sums, and so the
+outputs, are those of the separate GEMMs.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ import torch
 from torch import nn
 
 from qoqtool.runtime.mlp import ROTATION, has_down_rotation
+from qoqtool.packing.layout import PackedLayout
 from qoqtool.runtime.packed_linear import PackedLinear, _kernels
 
 ENABLED = os.environ.get("QOQTOOL_FUSED_NORMS", "1") != "0"
+MERGE = True  # merged_linear where it applies (a switch for benchmarks/decode.py)
 SILU = {"SiLU", "SiLUActivation"}  # torch's, and transformers' (ACT2FN["silu"])
 
 
@@ -46,14 +54,47 @@ def _plain_rmsnorm(norm: nn.Module) -> bool:
 
 
 def normed_linears(norm: nn.Module, h: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
-    """[linear(norm(h)) for linear in linears], the norm and the quantization fused when it can."""
+    """[linear(norm(h)) for linear in linears], the norm and the quantization fused, and the
+    linears merged into one GEMM, when they can be."""
     if _plain_rmsnorm(norm) and _kernel_w4a8(linears, h):
         x = h.reshape(-1, h.shape[-1]).contiguous()
         quantized = torch.ops.qoqtool.rmsnorm_quantize(x, norm.weight, float(norm.variance_epsilon),
                                                        linears[0].k_padded)
+        merged = merged_linear(linears) if MERGE else None
+        if merged is not None:
+            return list(merged(h, quantized=quantized).split([m.out_features for m in linears], dim=-1))
         return [linear(h, quantized=quantized) for linear in linears]
     x = norm(h)
     return [linear(x) for linear in linears]
+
+
+def merged_linear(linears: tuple[PackedLinear, ...]) -> PackedLinear | None:
+    """One packed linear whose rows are the linears' rows, stacked (cached on the first linear),
+    or None where they cannot be stacked: other formats, K or devices, outliers (Tile-COO
+    buckets would need re-basing), or rows that are not whole row tiles (padding between them)."""
+    first = linears[0]
+    cached = first.__dict__.get("_merged")  # (dropped by PackedLinear._apply, with the other caches)
+    if cached is not None and cached[0] == tuple(map(id, linears)):
+        return cached[1]
+    layouts = [m.layout for m in linears]
+    stackable = (len({(l.kind, l.in_features, l.group_size) for l in layouts}) == 1
+                 and all(l.out_features == l.n_padded for l in layouts)
+                 and not any(m.has_outliers for m in linears)
+                 and len({m.act_bits for m in linears}) == 1
+                 and len({m.qweight.device for m in linears}) == 1
+                 and len({m.bias is None for m in linears}) == 1)
+    merged = None
+    if stackable:
+        layout = PackedLayout(first.kind, sum(l.out_features for l in layouts), first.in_features, first.group_size)
+        tensors = {name: torch.cat([getattr(m, name) for m in linears]) for name in layout.spec()}
+        bias = None if first.bias is None else torch.cat([m.bias for m in linears])
+        merged = PackedLinear(layout, tensors, first.act_bits, bias)
+        for name in [*layout.spec(), *(["bias"] if bias is not None else [])]:  # store the weights once
+            parts = getattr(merged, name).split([getattr(m, name).shape[0] for m in linears])
+            for m, part in zip(linears, parts):
+                m._buffers[name] = part
+    first.__dict__["_merged"] = (tuple(map(id, linears)), merged)
+    return merged
 
 
 def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -163,8 +163,8 @@ class PackedLinear(nn.Module):
         for name, dtype in dtypes.items():
             if self._buffers[name].dtype != dtype:
                 self._buffers[name] = self._buffers[name].to(dtype)
-        self.__dict__.pop("_reference", None)
-        self.__dict__.pop("_sparse", None)
+        for cache in ("_reference", "_sparse", "_merged"):  # (_merged: qoqtool.runtime.fusion)
+            self.__dict__.pop(cache, None)
         return self
 
     def forward(self, x: torch.Tensor, quantized: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
