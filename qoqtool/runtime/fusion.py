@@ -58,6 +58,8 @@ def normed_linears(norm: nn.Module, h: torch.Tensor, linears: tuple[nn.Module, .
     linears merged into one GEMM, when they can be."""
     if _plain_rmsnorm(norm) and _kernel_w4a8(linears, h):
         x = h.reshape(-1, h.shape[-1]).contiguous()
+        if x.data_ptr() % 16:  # (the kernel reads 16-byte vectors)
+            x = x.clone()
         quantized = torch.ops.qoqtool.rmsnorm_quantize(x, norm.weight, float(norm.variance_epsilon),
                                                        linears[0].k_padded)
         merged = merged_linear(linears) if MERGE else None
@@ -103,7 +105,8 @@ def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
     down = mlp.down_proj
     if (not has_down_rotation(mlp) and type(mlp.act_fn).__name__ in SILU and gate.dtype == up.dtype
             and _kernel_w4a8((down,), gate)):
-        g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))
+        g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))  # (halves of a merged GEMM: copied)
+        g, u = (t.clone() if t.data_ptr() % 16 else t for t in (g, u))
         return down(gate, quantized=torch.ops.qoqtool.silu_mul_quantize(g, u, down.k_padded))
     x = mlp.act_fn(gate) * up
     if has_down_rotation(mlp):
