@@ -214,6 +214,24 @@ def test_the_fused_decoder_parts_fall_back_to_the_modules_off_the_gpu(packed_qoq
         parts.q_proj(h, quantized=(h,))
 
 
+def test_queries_and_keys_rotated_together_are_rotated_apart(packed_qoq):
+    """The loop's RoPE + key rotation + key shift for queries and keys stacked together is
+    transformers' RoPE then queries_and_cached_keys, each tensor on its own."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from qoqtool.runtime.attention import KEY_SHIFT, queries_and_cached_keys, rotary_queries_and_cached_keys
+
+    model = qoqtool.load(str(packed_qoq)).model
+    attn = ModelAdapter(model).parts(0).attn
+    assert getattr(attn, "qoq_key_rotation", None) is not None and getattr(attn, KEY_SHIFT, None) is not None
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(3, 4, 5, 64, generator=g), torch.randn(3, 2, 5, 64, generator=g)
+    cos, sin = model.model.rotary_emb(q, torch.arange(5)[None].expand(3, 5))
+    want = queries_and_cached_keys(attn, *apply_rotary_pos_emb(q, k, cos, sin))
+    for got, ref in zip(rotary_queries_and_cached_keys(attn, q, k, cos, sin), want):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
 def test_merged_linears_are_the_linears_stacked_and_share_their_weights():
     """merged_linear stacks the rows of q/k/v-like packed linears into one (whose output splits
     into theirs, bit for bit on the reference path), leaves each linear's weight as it was and

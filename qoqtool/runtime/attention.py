@@ -79,10 +79,33 @@ def cached_keys(module, key: torch.Tensor) -> torch.Tensor:
     rotation = getattr(module, "qoq_key_rotation", None)
     if rotation is not None:
         key = key @ rotation.to(key.dtype)
+    return _shifted(module, key)
+
+
+def _shifted(module, key: torch.Tensor) -> torch.Tensor:
     shift = getattr(module, KEY_SHIFT, None)
     if shift is not None:  # q.(k - c) = q.k - q.c: the same for every key of a query
         key = key - shift.to(key.dtype)[:, None, :]
     return key
+
+
+def rotary_queries_and_cached_keys(module, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                                   sin: torch.Tensor):
+    """queries_and_cached_keys(module, *apply_rotary_pos_emb(query, key, cos, sin)) for the
+    paged-cache loop (qoqtool.runtime.generate): queries and keys [B, heads, T, d] stacked
+    along the heads, so that RoPE (the same expression as transformers') and the key rotation
+    launch their kernels once for both instead of twice."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    heads = query.shape[1]
+    both = torch.cat((query, key), dim=1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    both = (both * cos) + (rotate_half(both) * sin)
+    rotation = getattr(module, "qoq_key_rotation", None)
+    if rotation is not None:
+        both = both @ rotation.to(both.dtype)
+    query, key = both.split([heads, both.shape[1] - heads], dim=1)
+    return query, _shifted(module, key)
 
 
 def set_key_shift(module, shift: torch.Tensor) -> None:

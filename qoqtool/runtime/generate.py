@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from qoqtool.models.adapter import ModelAdapter
-from qoqtool.runtime.attention import attention_modules, queries_and_cached_keys
+from qoqtool.runtime.attention import attention_modules, rotary_queries_and_cached_keys
 from qoqtool.runtime.fusion import mlp_output, normed_linears
 from qoqtool.runtime import packed_linear
 from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache, StepPlan, pages_needed
@@ -67,9 +67,8 @@ def _forward(adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, 
     """The decoder on ids [B, T] at positions [B, T], attention(layer, module, q, k, v) -> o,
     all [B, heads, T, head_dim] with q and k after RoPE. Returns the final hidden states.
     (Each layer as transformers' Llama layer computes it, with the norms and the MLP's product
-    fused into the packed linears' input quantization where the kernels allow: runtime.fusion.)"""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
+    fused into the packed linears' input quantization where the kernels allow, runtime.fusion,
+    and RoPE and the key rotation run once for queries and keys together.)"""
     h = adapter.embed_tokens(ids)
     cos, sin = adapter.decoder.rotary_emb(h, positions)
     batch, steps = ids.shape
@@ -77,8 +76,7 @@ def _forward(adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, 
         parts = adapter.parts(i)
         q, k, v = (y.view(batch, steps, -1, adapter.head_dim).transpose(1, 2)
                    for y in normed_linears(parts.input_norm, h, (parts.q_proj, parts.k_proj, parts.v_proj)))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        q, k = queries_and_cached_keys(parts.attn, q, k)  # as qoq_attention: rotated, shifted keys
+        q, k = rotary_queries_and_cached_keys(parts.attn, q, k, cos, sin)  # as qoq_attention: RoPE, rotated, shifted
         o = attention(i, parts.attn, q, k, v)
         h = h + parts.o_proj(o.transpose(1, 2).reshape(batch, steps, -1))
         gate, up = normed_linears(parts.post_norm, h, (parts.gate_proj, parts.up_proj))
