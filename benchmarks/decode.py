@@ -3,16 +3,16 @@ the same model in fp16, both through the same serving loop (qoqtool.runtime.gene
 KV cache and DecodeSteps), both replayed from CUDA graphs.
 
     python benchmarks/decode.py [--shapes smollm2-135m,llama2-7b,llama3-8b] [--batches 1,16,64]
-                                [--context 1024] [--steps 64] [--json PATH]
+                                [--recipe R] [--context 1024] [--steps 64] [--eager] [--json PATH]
 
 The models are the named architectures' shapes with random weights (no hub here; the speed of
 a step does not depend on the values): transformers builds the fp16 model on the GPU, which is
 the baseline - cuBLAS fp16 GEMMs, an fp16 paged KV cache, qoqtool's decode-attention kernel at
 16 bits. Then every decoder linear is replaced by a packed W4A8 linear (QoQ progressive g128:
 the codes of one quantized layer, copied into every layer's own buffers so that each layer
-streams its own weights), and the default recipe's run-time parts are switched on (the KV4
-cache, the online key rotation and down_proj rotation of qoq-w4a8kv4-g128); embeddings, norms
-and lm_head stay fp16, as in a packed folder.
+streams its own weights), and the recipe's run-time parts are switched on (for the default,
+qoq-w4a8kv4-g128: the KV4 cache, the online key rotation and down_proj rotation; --recipe
+chooses another); embeddings, norms and lm_head stay fp16, as in a packed folder.
 
 Each (shape, batch): `batch` sequences of `context` tokens already in the cache (their pages
 planned, their K/V left at zero: the work does not depend on the values), then `steps` decode
@@ -34,6 +34,7 @@ import time
 import torch
 
 from qoqtool.runtime import fusion
+from qoqtool.runtime.generate import model_kv_bits
 
 SHAPES = {  # transformers LlamaConfig fields
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -57,7 +58,7 @@ def fp16_model(shape: str):
     return model.eval()
 
 
-def pack_in_place(model) -> None:
+def pack_in_place(model, recipe_name: str = RECIPE) -> None:
     """Every decoder linear -> a packed W4A8 linear of the recipe's weights (one layer's codes,
     each layer its own copy), and the recipe's run-time configuration."""
     from qoqtool.models.adapter import LINEAR_NAMES, ModelAdapter
@@ -67,7 +68,7 @@ def pack_in_place(model) -> None:
     from qoqtool.runtime.mlp import configure_mlp
     from qoqtool.runtime.packed_linear import PackedLinear
 
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(recipe_name)
     scheme = WeightScheme(recipe.weights)
     adapter = ModelAdapter(model)
     packed = {}
@@ -90,7 +91,7 @@ def pack_in_place(model) -> None:
 def time_steps(model, batch: int, context: int, steps: int, cuda_graph: bool) -> dict:
     """Milliseconds per decode step: the serving loop's, and (with a graph) the bare replay's."""
     from qoqtool.models.adapter import ModelAdapter
-    from qoqtool.runtime.generate import DecodeSteps, model_kv_bits
+    from qoqtool.runtime.generate import DecodeSteps
     from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache, pages_needed
 
     adapter = ModelAdapter(model)
@@ -129,6 +130,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--recipe", default=RECIPE, help="a W4A8 recipe (its weights format and run-time parts)")
     ap.add_argument("--eager", action="store_true", help="also the packed model's loop without a CUDA graph")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -140,7 +142,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         model = fp16_model(shape)
         fp16 = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
-        pack_in_place(model)
+        pack_in_place(model, args.recipe)
         ours = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
         fusion.MERGE = False  # q/k/v and gate/up as separate GEMMs
         separate = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
@@ -148,7 +150,7 @@ def main() -> None:
         unfused = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
         fusion.ENABLED = fusion.MERGE = True
         eager = {b: time_steps(model, b, args.context, max(4, args.steps // 8), False) for b in batches} if args.eager else {}
-        print(f"\n{shape}: fp16 (cuBLAS, KV16) vs packed {RECIPE} (qoqtool kernels, KV4)")
+        print(f"\n{shape}: fp16 (cuBLAS, KV16) vs packed {args.recipe} (qoqtool kernels, KV{model_kv_bits(model)})")
         print(f"{'batch':>5} | {'fp16 loop':>9} | {'W4A8KV4 loop':>12} | {'speedup':>7} | {'fp16 replay':>11} | "
               f"{'W4A8KV4 replay':>14} | {'speedup':>7} | {'tokens/s':>9} | {'not merged':>15} | {'unfused':>15}"
               + (" | eager loop" if eager else ""))
@@ -169,6 +171,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps,
+                       "recipe": args.recipe,
                        "context": args.context, "results": results}, fh, indent=1)
 
 
