@@ -18,8 +18,9 @@ bit for bit. QOQTOOL_FUSED_NORMS=0 turns them off (to measure what they save).
 
 Linears that read one quantized input (q, k, v; gate, up) also run as one GEMM over their
 stacked rows: merged_linear builds that packed linear once, and the linears' own buffers
-become views into its buffers, so the weights are stored once. The INT32 sums, and so the
-outputs, are those of the separate GEMMs.
+become views into its buffers, so the weights are stored once (such a model is for running:
+safetensors refuses to save tensors that share memory). The INT32 sums, and so the outputs,
+are those of the separate GEMMs.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import os
 import torch
 from torch import nn
 
-from qoqtool.runtime.mlp import ROTATION, has_down_rotation
 from qoqtool.packing.layout import PackedLayout
+from qoqtool.runtime.mlp import ROTATION, has_down_rotation
 from qoqtool.runtime.packed_linear import PackedLinear, _kernels
 
 ENABLED = os.environ.get("QOQTOOL_FUSED_NORMS", "1") != "0"

@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from qoqtool.models.adapter import ModelAdapter
+from qoqtool.runtime import packed_linear
 from qoqtool.runtime.attention import attention_modules, rotary_queries_and_cached_keys
 from qoqtool.runtime.fusion import mlp_output, normed_linears
-from qoqtool.runtime import packed_linear
 from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache, StepPlan, pages_needed
 
 DEFAULT_PROMPTS = (
@@ -137,7 +137,8 @@ class DecodeSteps:
             self.plan = static_plan(cache, self.seqs, capacity)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, vocab] after tokens [B], one per sequence."""
+        """Logits [B, vocab] after tokens [B], one per sequence. Replayed from a graph, they
+        are the graph's output buffer, which the next call overwrites: clone them to keep them."""
         step = self.cache.plan(self.seqs, [1] * len(self.seqs))
         if not self.cuda_graph:
             return _decode(self.adapter, self.cache, step, tokens)
