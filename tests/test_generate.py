@@ -161,8 +161,8 @@ def decode_on_a_static_plan(model, prompts, steps, capacity):
     adapter, cache, seqs, logits = prefilled(model, prompts, steps)
     static, rows = static_plan(cache, seqs, capacity), []
     packed_linear.path_calls.clear()
-    for _ in range(steps):
-        load_step(static, cache.plan(seqs, [1] * len(seqs)))
+    for step in range(steps):  # (as DecodeSteps: the whole page table first, then only when it grows)
+        load_step(static, cache.plan(seqs, [1] * len(seqs), table=step == 0))
         logits = _decode(adapter, cache, static, logits.argmax(dim=-1))
         rows.append(logits)
     return torch.stack(rows), cache, dict(packed_linear.path_calls)
@@ -184,6 +184,14 @@ def test_a_static_plan_decodes_as_the_step_plan(packed_qoq):
         logits = decode(logits.argmax(dim=-1))
         assert torch.equal(logits, got[step])
     assert torch.equal(cache.pool, got_cache.pool)
+
+
+def test_a_plan_without_its_table_builds_one_only_when_a_page_is_taken(packed_qoq):
+    model = qoqtool.load(str(packed_qoq)).model
+    _, cache, seqs, _ = prefilled(model, PROMPT_IDS, 1)  # 4, 13 and 1 tokens in pages of 16
+    tables = [cache.plan(seqs, [1] * len(seqs), table=False).page_table for _ in range(4)]
+    assert [t is None for t in tables] == [True, True, True, False]  # tokens 14-17 of the 13-token prompt
+    assert tables[3].tolist() == [cache.pages[s] + [0] * (2 - len(cache.pages[s])) for s in seqs]
 
 
 def test_a_static_plan_refuses_a_step_it_cannot_hold(packed_qoq):

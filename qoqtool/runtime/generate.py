@@ -139,9 +139,9 @@ class DecodeSteps:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] after tokens [B], one per sequence. Replayed from a graph, they
         are the graph's output buffer, which the next call overwrites: clone them to keep them."""
-        step = self.cache.plan(self.seqs, [1] * len(self.seqs))
         if not self.cuda_graph:
-            return _decode(self.adapter, self.cache, step, tokens)
+            return _decode(self.adapter, self.cache, self.cache.plan(self.seqs, [1] * len(self.seqs)), tokens)
+        step = self.cache.plan(self.seqs, [1] * len(self.seqs), table=self.graph is None)  # (then only new pages)
         self.tokens.copy_(tokens)
         load_step(self.plan, step)
         if self.graph is None:
@@ -188,14 +188,16 @@ def static_plan(cache: PagedKVCache, seqs: list[int], capacity: int) -> StepPlan
 
 
 def load_step(static: StepPlan, step: StepPlan) -> None:
-    """Copy one step's plan (PagedKVCache.plan) into static_plan's tensors."""
-    pages = step.page_table.shape[1]
-    if pages > static.page_table.shape[1] or step.seqs != static.seqs:
+    """Copy one step's plan (PagedKVCache.plan) into static_plan's tensors; a step without a
+    page table (plan(..., table=False): no page was taken) keeps the one loaded before."""
+    if step.max_len > static.max_len or step.seqs != static.seqs:
         raise ValueError(f"this step does not fit its static plan (sequences {step.seqs} vs {static.seqs}, "
                          f"{step.max_len} tokens vs {static.max_len})")
     static.slots.copy_(step.slots)
     static.context_lens.copy_(step.context_lens)
-    static.page_table[:, :pages].copy_(step.page_table)  # (the columns past it: no sequence reaches them)
+    if step.page_table is not None:
+        pages = step.page_table.shape[1]
+        static.page_table[:, :pages].copy_(step.page_table)  # (the columns past it: no sequence reaches them)
 
 
 def graphs_by_default(cache: PagedKVCache) -> bool:

@@ -229,7 +229,7 @@ class StepPlan:
 
     seqs: list[int]
     slots: torch.Tensor         # [new tokens] int32: where each new token goes
-    page_table: torch.Tensor    # [len(seqs), max_pages] int32
+    page_table: torch.Tensor | None  # [len(seqs), max_pages] int32 (None: unchanged, see plan)
     context_lens: torch.Tensor  # [len(seqs)] int32, after the append
     max_len: int
     num_splits: int = 1
@@ -267,10 +267,12 @@ class PagedKVCache:
         self._free.extend(reversed(self.pages.pop(seq)))
         del self.lengths[seq]
 
-    def plan(self, seqs: list[int], new_tokens: list[int]) -> StepPlan:
-        """Make room for new_tokens[i] more tokens of seqs[i] and describe the step."""
+    def plan(self, seqs: list[int], new_tokens: list[int], table: bool = True) -> StepPlan:
+        """Make room for new_tokens[i] more tokens of seqs[i] and describe the step. table=False:
+        the page table only if a sequence took a new page (else None), for a caller that keeps
+        the previous step's (a graphed decode loop: building it is most of a step's host time)."""
         size = self.layout.page_size
-        slots = []
+        slots, grew = [], False
         for seq, n in zip(seqs, new_tokens):
             start = self.lengths[seq]
             need = self.pages_for(start + n, size) - len(self.pages[seq])
@@ -278,15 +280,19 @@ class PagedKVCache:
                 raise ValueError(f"the KV cache is full: sequence {seq} needs {need} more pages, "
                                  f"{len(self._free)} are free; allocate more pages")
             self.pages[seq].extend(self._free.pop() for _ in range(need))
+            grew |= need > 0
             slots.extend(self.pages[seq][p // size] * size + p % size for p in range(start, start + n))
             self.lengths[seq] = start + n
         lens = [self.lengths[s] for s in seqs]
-        width = max(1, max(len(self.pages[s]) for s in seqs))
-        table = [self.pages[s] + [0] * (width - len(self.pages[s])) for s in seqs]
+        page_table = None
+        if table or grew:
+            width = max(1, max(len(self.pages[s]) for s in seqs))
+            rows = [self.pages[s] + [0] * (width - len(self.pages[s])) for s in seqs]
+            page_table = torch.tensor(rows, dtype=torch.int32, device=self.device)
         plan = StepPlan(
             seqs=list(seqs),
             slots=torch.tensor(slots, dtype=torch.int32, device=self.device),
-            page_table=torch.tensor(table, dtype=torch.int32, device=self.device),
+            page_table=page_table,
             context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
             max_len=max(lens),
         )
