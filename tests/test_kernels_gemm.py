@@ -617,3 +617,6 @@ def test_formats_without_a_kernel_are_declined():
     module = SimpleNamespace(kind="uint4", act_bits=8, group_size=128)
     with pytest.raises(NotImplementedError):
         cuda_ops.packed_linear_forward(module, torch.zeros(1, 128))
+    # (the decode loop's fused quantization asks the same question before it quantizes)
+    assert cuda_ops.int8_kernel_declines(module) == "no kernel for UINT4 weights with float group scales"
+    assert cuda_ops.int8_kernel_declines(SimpleNamespace(kind="uint4", act_bits=8, group_size=None)) is None

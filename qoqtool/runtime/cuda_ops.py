@@ -915,6 +915,18 @@ def _with_bias(module, y: Tensor, x: Tensor) -> Tensor:
     return y.to(x.dtype).reshape(*x.shape[:-1], module.out_features)
 
 
+def int8_kernel_declines(module) -> str | None:
+    """Why no GEMM kernel with INT8 activations takes this packed linear, or None when one does
+    (progressive and per-channel UINT4 W4A8, W8A8)."""
+    if module.act_bits != 8:
+        return f"no kernel for {module.act_bits}-bit activations"
+    if module.kind == "uint4" and module.group_size is not None:
+        return "no kernel for UINT4 weights with float group scales"
+    if module.kind not in ("progressive", "uint4", "int8_channel"):
+        return f"no kernel for packed format {module.kind!r}"
+    return None
+
+
 def packed_linear_forward(module, x: Tensor, quantized: tuple[Tensor, ...] | None = None) -> Tensor:
     """y = module(x) on the GPU kernels for a packed linear (qoqtool.runtime.packed_linear).
 
@@ -930,13 +942,10 @@ def packed_linear_forward(module, x: Tensor, quantized: tuple[Tensor, ...] | Non
         if quantized is not None:
             raise ValueError("W4A16 linears take unquantized activations")
         return _w4a16_forward(module, x)
-    if module.act_bits != 8:
-        raise NotImplementedError(f"no kernel for {module.act_bits}-bit activations")
+    declined = int8_kernel_declines(module)
+    if declined:
+        raise NotImplementedError(declined)
     kind = module.kind
-    if kind == "uint4" and module.group_size is not None:
-        raise NotImplementedError("no kernel for UINT4 weights with float group scales")
-    if kind not in ("progressive", "uint4", "int8_channel"):
-        raise NotImplementedError(f"no kernel for packed format {kind!r}")
     if x.shape[-1] != module.in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the layer takes {module.in_features}")
     x_q, x_scale, x_rowsum = quantized or _quantized_input(x, module.k_padded)

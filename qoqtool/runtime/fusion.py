@@ -40,9 +40,12 @@ SILU = {"SiLU", "SiLUActivation"}  # torch's, and transformers' (ACT2FN["silu"])
 
 
 def _kernel_w4a8(linears, x: torch.Tensor) -> bool:
-    """Whether every linear is a packed W4A8 linear whose kernel takes x (fp16 on CUDA)."""
-    return (ENABLED and x.is_cuda and x.dtype == torch.float16 and _kernels() is not None
-            and all(isinstance(m, PackedLinear) and m.use_kernels and m.act_bits == 8
+    """Whether every linear is a packed linear whose INT8-activation kernel takes x (fp16 on
+    CUDA): not, for example, UINT4 with float group scales (the rtn-w4a8 recipes), which run
+    the reference path from their unquantized input."""
+    ops = _kernels() if ENABLED and x.is_cuda and x.dtype == torch.float16 else None
+    return (ops is not None
+            and all(isinstance(m, PackedLinear) and m.use_kernels and ops.int8_kernel_declines(m) is None
                     and m.in_features == x.shape[-1] for m in linears)
             and len({m.k_padded for m in linears}) == 1)
 

@@ -157,17 +157,17 @@ class DecodeSteps:
         return self.logits
 
     def _capture(self) -> None:
-        before = dict(packed_linear.path_calls)
+        # Capturing runs the Python but no kernel: the linears' calls it counts are the graph's,
+        # taken back here (also when the capture fails) and counted again at every replay.
+        before = packed_linear.path_calls.copy()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = _decode(self.adapter, self.cache, self.plan, self.tokens)
-        # Capturing ran the Python but no kernel: the linears' calls it counted are the graph's,
-        # taken back here and counted again at every replay.
-        self.graph_paths = {p: n - before.get(p, 0) for p, n in packed_linear.path_calls.items() if n != before.get(p, 0)}
-        for path, n in self.graph_paths.items():
-            packed_linear.path_calls[path] -= n
-            if not packed_linear.path_calls[path]:
-                del packed_linear.path_calls[path]
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = _decode(self.adapter, self.cache, self.plan, self.tokens)
+            self.graph_paths = packed_linear.path_calls - before
+        finally:
+            packed_linear.path_calls.clear()
+            packed_linear.path_calls.update(before)
         self.graph = graph
 
 
