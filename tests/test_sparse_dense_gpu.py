@@ -246,7 +246,7 @@ def test_packed_linear_uses_the_fused_kernel_up_to_fused_max_m(kind, group, monk
     stopgap_calls = []
     original = packed_linear.PackedLinear._sparse_term
     monkeypatch.setattr(packed_linear.PackedLinear, "_sparse_term",
-                        lambda self, ops, x: stopgap_calls.append(x.shape) or original(self, ops, x))
+                        lambda self, ops, x, *rest: stopgap_calls.append(x.shape) or original(self, ops, x, *rest))
     top = cuda_ops.FUSED_MAX_M
     for m, fused in ((7, True), (top, True), (top + 1, False)):
         x = torch.randn(m, K, device="cuda", dtype=torch.float16, generator=torch.Generator("cuda").manual_seed(m))
