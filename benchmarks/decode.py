@@ -18,7 +18,9 @@ Each (shape, batch): `batch` sequences of `context` tokens already in the cache 
 planned, their K/V left at zero: the work does not depend on the values), then `steps` decode
 steps timed as `qoqtool generate` runs them - plan the step on the host, replay the graph,
 argmax, read the tokens back - and the same number of bare graph replays (GPU time of a step,
-timed by CUDA events). The packed model is also timed with q/k/v and gate/up as separate GEMMs
+timed by CUDA events). The packed model is also timed with the online down_proj rotation in its
+own kernels instead of inside the SiLU-product quantization ("rotation apart"; where the recipe
+rotates and the fused kernel takes the rotation's form), with q/k/v and gate/up as separate GEMMs
 ("not merged"), then also without the fused norm + quantization kernels ("unfused";
 qoqtool.runtime.fusion), and with --eager without a graph (the launch overhead the graph
 removes); those columns give the replay time and its ratio to the default's.
@@ -144,6 +146,9 @@ def main() -> None:
         fp16 = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
         pack_in_place(model, args.recipe)
         ours = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
+        fusion.ROTATE = False  # the down_proj rotation as its own kernels (where the recipe has one)
+        rotation_apart = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
+        fusion.ROTATE = True
         fusion.MERGE = False  # q/k/v and gate/up as separate GEMMs
         separate = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
         fusion.ENABLED = False  # nor the fused norm / MLP-product quantization kernels
@@ -152,18 +157,20 @@ def main() -> None:
         eager = {b: time_steps(model, b, args.context, max(4, args.steps // 8), False) for b in batches} if args.eager else {}
         print(f"\n{shape}: fp16 (cuBLAS, KV16) vs packed {args.recipe} (qoqtool kernels, KV{model_kv_bits(model)})")
         print(f"{'batch':>5} | {'fp16 loop':>9} | {'W4A8KV4 loop':>12} | {'speedup':>7} | {'fp16 replay':>11} | "
-              f"{'W4A8KV4 replay':>14} | {'speedup':>7} | {'tokens/s':>9} | {'not merged':>15} | {'unfused':>15}"
+              f"{'W4A8KV4 replay':>14} | {'speedup':>7} | {'tokens/s':>9} | {'rotation apart':>15} | {'not merged':>15} | "
+              f"{'unfused':>15}"
               + (" | eager loop" if eager else ""))
         for b in batches:
             f, o = fp16[b], ours[b]
             line = (f"{b:>5} | {f['loop_ms']:>9.3f} | {o['loop_ms']:>12.3f} | {f['loop_ms'] / o['loop_ms']:>6.2f}x | "
                     f"{f['replay_ms']:>11.3f} | {o['replay_ms']:>14.3f} | {f['replay_ms'] / o['replay_ms']:>6.2f}x | "
                     f"{o['tokens_per_s']:>9.0f} | " + " | ".join(
-                        f"{v[b]['replay_ms']:>8.3f} ({v[b]['replay_ms'] / o['replay_ms']:.2f}x)" for v in (separate, unfused)))
+                        f"{v[b]['replay_ms']:>8.3f} ({v[b]['replay_ms'] / o['replay_ms']:.2f}x)" for v in (rotation_apart, separate, unfused)))
             if eager:
                 line += f" | {eager[b]['loop_ms']:.3f} ({eager[b]['loop_ms'] / o['loop_ms']:.1f}x the graph's)"
             print(line)
-            results.append({"shape": shape, "batch": b, "fp16": f, "w4a8kv4": o, "w4a8kv4_not_merged": separate[b],
+            results.append({"shape": shape, "batch": b, "fp16": f, "w4a8kv4": o, "w4a8kv4_rotation_apart": rotation_apart[b],
+                            "w4a8kv4_not_merged": separate[b],
                             "w4a8kv4_unfused": unfused[b],
                             **({"eager": eager[b]} if eager else {})})
         del model

@@ -4,6 +4,10 @@
 //   qoq_quantize_per_token   x                      -> (x_q, x_scale, x_rowsum)
 //   qoq_rmsnorm_quantize     RMSNorm(x) * weight    -> (x_q, x_scale, x_rowsum)
 //   qoq_silu_mul_quantize    silu(gate) * up        -> (x_q, x_scale, x_rowsum)
+//   qoq_silu_mul_rotate_quantize
+//                            fp16((silu(gate) * up) R) -> (x_q, x_scale, x_rowsum), R the online
+//                            down_proj rotation (qoqtool.runtime.mlp.KroneckerRotation) of a
+//                            Kronecker form Sylvester(a) (x) F (a = 32..1024, m x m, m <= 32)
 //
 // Semantics are those of qoqtool.quantizers.activations.quantize_per_token, to the bit:
 // scale = fp16(amax / 127) (at least 2^-24), codes = clamp(rint(x / scale), -127, 127) with
@@ -152,9 +156,174 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
   return p.K % kVec == 0 ? launch_vec<true, OP>(p, stream) : launch_vec<false, OP>(p, stream);
 }
 
+// silu(gate) * up, rotated, quantized: the online down_proj rotation of the default recipe
+// (qoqtool.runtime.mlp) inside the quantization kernel instead of ~8 small kernels (an fp32 cast,
+// two tensordots with their permuted copies, the signs, the cast back). One CTA per token; the
+// row lives in shared memory as X [a, m] (index r m + c), and R = (S_a / sqrt(a)) (x) F diag(s)
+// acts as y = vec(S_a^T X F) * s / sqrt(a): S_a the Sylvester Hadamard matrix of order a = 32 RPL
+// (symmetric), F the scaled m x m factor as KroneckerRotation holds it (fp32), s the signs.
+//  * S_a^T X: a warp per column (a column's a values, RPL per lane: row 32 k + lane in register
+//    k), butterflies between rows r and r + h in registers (h >= 32) and by shuffles (h < 32) -
+//    no barrier and no index arithmetic between the log2(a) passes (a first version with a pass
+//    per barrier over the whole shared row, its indices by division, took ~20 us a token at
+//    14336 = 512 x 28 on an H200: slower than the unfused kernels at batch 1 and 16);
+//  * X F: a thread per row, F in shared memory read as float4 (rows padded to 4 columns).
+// Then fp16 (the unfused path casts the rotation back to the model's dtype) and the quantization of
+// row_quantize_kernel, to the same rules. The sums run in another order than the unfused path's
+// GEMMs: codes may differ by one at rounding boundaries (tests/test_kernels_fused.py bounds how often).
+constexpr int kRotateThreads = 512;
+constexpr int kRotateMaxM = 32;  // the dense factor's order (Llama-3, Mistral: 28; SmolLM2: 12); 64 spilled
+
+struct RotateParams {
+  const __half* gate;
+  const __half* up;
+  const float* factor;  // [m, m]
+  const float* signs;   // [K]
+  int M, K, Kp, a, m;
+  int8_t* xq;
+  __half* xs;
+  int32_t* rowsum;
+};
+
+template <int RPL, int MMAX>
+__global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kernel(const RotateParams p) {
+  extern __shared__ float rotate_smem[];  // the row [K], then F [m][m4]
+  __shared__ float scratch_f[32];
+  __shared__ int scratch_i[32];
+  pdl_launch_dependents();
+  const int m = p.m, m4 = (m + 3) & ~3, lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  float* x = rotate_smem;
+  float* f = rotate_smem + p.K;
+  const size_t row = blockIdx.x;
+  for (int i = threadIdx.x; i < m * m4; i += kRotateThreads) {
+    const int c = i / m4, j = i - c * m4;
+    f[i] = j < m ? p.factor[c * m + j] : 0.f;
+  }
+  for (int i = threadIdx.x; i < p.K; i += kRotateThreads) {
+    const float g = __half2float(p.gate[row * p.K + i]), u = __half2float(p.up[row * p.K + i]);
+    x[i] = round_fp16(__fdividef(g, 1.f + __expf(-g)) * u);  // as qoq_silu_mul_quantize
+  }
+  __syncthreads();
+  // S_a^T X, a warp per column.
+  for (int c = warp; c < m; c += kRotateThreads / kWarp) {
+    float v[RPL];
+#pragma unroll
+    for (int k = 0; k < RPL; ++k) v[k] = x[(32 * k + lane) * m + c];
+#pragma unroll
+    for (int h = 1; h < 32; h *= 2) {  // rows r and r + h: lanes lane and lane ^ h
+      const bool upper = lane & h;
+#pragma unroll
+      for (int k = 0; k < RPL; ++k) {
+        const float o = __shfl_xor_sync(0xffffffffu, v[k], h);
+        v[k] = upper ? o - v[k] : v[k] + o;
+      }
+    }
+#pragma unroll
+    for (int h = 1; h < RPL; h *= 2)  // rows 32 k and 32 (k + h): registers k and k + h
+#pragma unroll
+      for (int k = 0; k < RPL; ++k)
+        if (!(k & h)) {
+          const float u = v[k], w = v[k + h];
+          v[k] = u + w;
+          v[k + h] = u - w;
+        }
+#pragma unroll
+    for (int k = 0; k < RPL; ++k) x[(32 * k + lane) * m + c] = v[k];
+  }
+  __syncthreads();
+  // (S_a^T X) F, a thread per row (in place: a thread owns its rows).
+  if (m > 1) {
+    for (int r = threadIdx.x; r < p.a; r += kRotateThreads) {
+      float out[MMAX];
+#pragma unroll
+      for (int j = 0; j < MMAX; ++j) out[j] = 0.f;
+#pragma unroll
+      for (int c = 0; c < MMAX; ++c) {
+        if (c >= m) break;
+        const float in = x[r * m + c];
+#pragma unroll
+        for (int j = 0; j < MMAX; j += 4) {
+          if (j >= m) break;
+          const float4 w = *reinterpret_cast<const float4*>(f + c * m4 + j);
+          out[j] = fmaf(in, w.x, out[j]);
+          out[j + 1] = fmaf(in, w.y, out[j + 1]);
+          out[j + 2] = fmaf(in, w.z, out[j + 2]);
+          out[j + 3] = fmaf(in, w.w, out[j + 3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < MMAX; ++j)
+        if (j < m) x[r * m + j] = out[j];
+    }
+    __syncthreads();
+  }
+  const float inv_sqrt_a = rsqrtf(static_cast<float>(p.a));
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < p.K; i += kRotateThreads) {
+    const float v = round_fp16(x[i] * inv_sqrt_a * p.signs[i]);
+    x[i] = v;
+    amax = fmaxf(amax, fabsf(v));
+  }
+  amax = block_reduce(amax, [](float a, float b) { return fmaxf(a, b); }, 0.f, scratch_f);  // (its barrier orders x too)
+  const __half scale_h = __float2half_rn(fmaxf(__fdiv_rn(amax, 127.f), kFp16Tiny));
+  const float scale = fmaxf(__half2float(scale_h), kFp16Tiny);
+  int sum = 0;
+  int8_t* out = p.xq + row * p.Kp;
+  for (int i = threadIdx.x * 4; i < p.Kp; i += kRotateThreads * 4) {  // Kp % 32 == 0: whole words
+    uint32_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int q = i + j < p.K ? max(-127, min(127, __float2int_rn(__fdiv_rn(x[i + j], scale)))) : 0;
+      sum += q;
+      packed |= (static_cast<uint32_t>(q) & 0xFFu) << (8 * j);
+    }
+    *reinterpret_cast<uint32_t*>(out + i) = packed;
+  }
+  sum = block_reduce(sum, [](int a, int b) { return a + b; }, 0, scratch_i);
+  if (threadIdx.x == 0) {
+    p.xs[row] = scale_h;
+    p.rowsum[row] = sum;
+  }
+}
+
+template <int RPL, int MMAX>
+cudaError_t launch_rotate(const RotateParams& p, cudaStream_t stream) {
+  const int smem = 4 * (p.K + p.m * ((p.m + 3) & ~3));
+  const auto kernel = silu_mul_rotate_quantize_kernel<RPL, MMAX>;
+  QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<p.M, kRotateThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int MMAX>
+cudaError_t launch_rotate_rows(const RotateParams& p, cudaStream_t stream) {
+  switch (p.a / kWarp) {  // rows per lane of a column's warp
+    case 1: return launch_rotate<1, MMAX>(p, stream);
+    case 2: return launch_rotate<2, MMAX>(p, stream);
+    case 4: return launch_rotate<4, MMAX>(p, stream);
+    case 8: return launch_rotate<8, MMAX>(p, stream);
+    case 16: return launch_rotate<16, MMAX>(p, stream);
+    case 32: return launch_rotate<32, MMAX>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace qoq::fused
 
 using qoq::fused::Op;
+
+// gate, up [M, K] fp16; factor [m, m] fp32; signs [K] fp32; K = a * m with a a power of two from
+// 32 to 1024 and m <= kRotateMaxM (m = 1: no dense factor); the row in shared memory.
+extern "C" int qoq_silu_mul_rotate_quantize(const __half* gate, const __half* up, const float* factor, const float* signs,
+                                            int M, int K, int Kp, int a, int m, int8_t* xq, __half* xs,
+                                            int32_t* rowsum, cudaStream_t stream) {
+  if (M <= 0) return cudaSuccess;
+  if (a < 32 || a > 1024 || (a & (a - 1)) || m < 1 || m > qoq::fused::kRotateMaxM || a * m != K || Kp % 32 ||
+      Kp < K)
+    return cudaErrorInvalidValue;
+  const qoq::fused::RotateParams p{gate, up, factor, signs, M, K, Kp, a, m, xq, xs, rowsum};
+  return m <= 16 ? qoq::fused::launch_rotate_rows<16>(p, stream) : qoq::fused::launch_rotate_rows<32>(p, stream);
+}
 
 extern "C" int qoq_quantize_per_token(const __half* x, int M, int K, int Kp, int8_t* xq, __half* xs, int32_t* rowsum,
                                       cudaStream_t stream) {

@@ -85,6 +85,25 @@ def test_silu_mul_quantize_matches_fp32_product(m, k, kp):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,k,kp", [(1, 14336, 14336), (5, 1536, 1536), (64, 14336, 14336), (3, 512, 512),
+                                    (2, 28672, 28672), (7, 1536, 1664)])
+def test_silu_mul_rotate_quantize_matches_the_unfused_rotation(m, k, kp):
+    """The down_proj rotation of the default recipe (runtime.mlp.KroneckerRotation: Sylvester
+    x a Paley factor, e.g. 14336 = 512 x 28, 1536 = 128 x 12; 512 has no second factor) fused
+    with the SiLU product and the quantization: the codes of the unfused rotation, to rounding."""
+    from qoqtool.runtime.mlp import KroneckerRotation
+
+    gate, up = random_rows(m, k, 1), random_rows(m, k, 2)
+    rotation = KroneckerRotation(k, seed=7).cuda()
+    a, factor = rotation.fused_form()
+    product = (torch.nn.functional.silu(gate.float()) * up.float()).half()
+    y = rotation(product)  # fp32 inside, back to fp16: what down_proj's quantization sees unfused
+    got = torch.ops.qoqtool.silu_mul_rotate_quantize(gate, up, factor.contiguous(), rotation.signs, a, kp)
+    check_against_reference(got, y, kp, exact=False)
+
+
+@gpu
+@pytest.mark.gpu
 def test_quantize_under_cuda_graph():
     x = random_rows(16, 4096)
     op = torch.ops.qoqtool.quantize_per_token
@@ -98,6 +117,26 @@ def test_quantize_under_cuda_graph():
     torch.cuda.synchronize()
     for a, b in zip(static, op(x, 4096)):
         assert torch.equal(a, b)
+
+
+def test_rotation_validation_rejects_bad_forms_on_the_cpu():
+    gate = torch.zeros(2, 384, dtype=torch.float16)
+    signs = torch.ones(384)
+    cases = [
+        ((torch.ones(12, 12), signs, 64), "got K = 384, a = 64, m = 12"),  # 64 x 12 is not 384
+        ((torch.ones(12, 12), signs, 32), None),  # a valid form: refused only for being on the CPU
+        ((torch.ones(48, 48), signs, 8), "got K = 384, a = 8, m = 48"),  # m > 32, a < 32
+        ((torch.ones(8, 8), signs, 48), "got K = 384, a = 48, m = 8"),  # a not a power of two
+        ((torch.ones(1, 1), torch.ones(2048), 2048), None),  # K = 2048 (the gate is 384 wide): refused first
+        ((torch.ones(12, 12).double(), signs, 32), "factor must be float32"),
+        ((torch.ones(12, 12), torch.ones(95), 32), r"signs must have shape \[384\]"),
+    ]
+    for (factor, s, a), message in cases:
+        with pytest.raises(ValueError, match=message or "CUDA|signs must have shape"):
+            cuda_ops.silu_mul_rotate_quantize(gate, gate, factor, s, a, 384)
+    wide = torch.zeros(1, 2048, dtype=torch.float16)  # 2048 = 2048 x 1: the Sylvester order is past 1024
+    with pytest.raises(ValueError, match="a power of two from 32 to 1024"):
+        cuda_ops.silu_mul_rotate_quantize(wide, wide, torch.ones(1, 1), torch.ones(2048), 2048, 2048)
 
 
 def test_validation_rejects_bad_input_on_the_cpu():

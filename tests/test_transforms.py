@@ -205,3 +205,21 @@ def test_key_centering_stores_the_mean_cached_key_and_shrinks_kv4_error():
     centered = raw - shift[:, None, :]
     err = lambda x: float((fake_quantize_kv(x, 4) - x).norm())  # noqa: E731
     assert err(centered) < 0.8 * err(raw)
+
+
+def test_kronecker_rotation_fused_form_is_the_rotation():
+    """fused_form() = (a, F) with R = (H_a / sqrt(a)) (x) F diag(signs), H_a Sylvester's matrix:
+    the form the fused SiLU + rotation + quantization kernel applies (x R checked in float64; the kernel takes m <= 32);
+    None where the rotation has a third factor (3808 = 2 x 28 x 68)."""
+    from qoqtool.runtime.mlp import KroneckerRotation
+    from qoqtool.transforms.hadamard import _sylvester, random_hadamard
+
+    for n, a, m in [(1536, 128, 12), (4864, 64, 76), (512, 512, 1)]:
+        rotation = KroneckerRotation(n, seed=3)
+        got_a, factor = rotation.fused_form()
+        assert (got_a, tuple(factor.shape)) == (a, (m, m))
+        x = torch.randn(2, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        y = (_sylvester(a).t() @ x.reshape(2, a, m) @ factor.double()).reshape(2, n) * rotation.signs.double() / a**0.5
+        assert torch.allclose(y, x @ random_hadamard(n, 3), atol=1e-5)
+    assert KroneckerRotation(3808, seed=0).fused_form() is None
+    assert KroneckerRotation(11008, seed=0).fused_form()[1].shape == (5504, 5504)  # (too large for the kernel)

@@ -14,6 +14,8 @@ forward pass that uses them.
     qoqtool::quantize_per_token     fp16 x [M, K] -> (x_q [M, Kp] int8, x_scale [M] fp16, x_rowsum [M] int32)
     qoqtool::rmsnorm_quantize       RMSNorm(x) * weight, then the same
     qoqtool::silu_mul_quantize      silu(gate) * up, then the same
+    qoqtool::silu_mul_rotate_quantize
+                                    silu(gate) * up, rotated by the online down_proj rotation, then the same
 
 The kernels (kernels/*.cu) have a plain C ABI and are called through ctypes on the current
 stream, so the ops work under CUDA-graph capture. Every op checks dtypes, shapes, devices,
@@ -78,12 +80,15 @@ _SIGNATURES = {
     "qoq_rmsnorm_quantize": [_P, _P, _F, _I, _I, _I, _P, _P, _P, _P],
     # gate, up, M, K, Kp, x_q, x_scale, x_rowsum, stream
     "qoq_silu_mul_quantize": [_P, _P, _I, _I, _I, _P, _P, _P, _P],
+    # gate, up, factor, signs, M, K, Kp, a, m, x_q, x_scale, x_rowsum, stream
+    "qoq_silu_mul_rotate_quantize": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P],
 }
 
 
 # Entry points that libraries built before they existed lack (benchmarks/library_ab.py times
 # such builds through this module): the ops fall back to what those libraries have.
-_NEWER_ENTRIES = {"qoq_w4a8_gemm_per_group_rowsum"}  # 2026-12-02: its absence means the x_rowsum-free call
+_NEWER_ENTRIES = {"qoq_w4a8_gemm_per_group_rowsum",  # 2026-12-02: its absence means the x_rowsum-free call
+                  "qoq_silu_mul_rotate_quantize"}  # 2026-12-06
 
 
 @functools.lru_cache(maxsize=None)
@@ -821,6 +826,41 @@ def silu_mul_quantize(gate: Tensor, up: Tensor, k_padded: int) -> tuple[Tensor, 
 
 @silu_mul_quantize.register_fake
 def _(gate, up, k_padded):
+    return _quantize_fake(gate, k_padded)
+
+
+# The rotation the fused kernel applies: R = (Sylvester(a) / sqrt(a)) (x) F diag(signs), a in
+# ROTATE_SYLVESTER (a warp's column of a values, kernels/fused_ops.cu), F at most ROTATE_MAX_M.
+ROTATE_SYLVESTER, ROTATE_MAX_M = (32, 1024), 32
+
+
+@torch.library.custom_op("qoqtool::silu_mul_rotate_quantize", mutates_args=())
+def silu_mul_rotate_quantize(gate: Tensor, up: Tensor, factor: Tensor, signs: Tensor, sylvester: int,
+                             k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
+    """quantize_per_token(fp16(fp16(silu(gate) * up) R)) with R = (H_a / sqrt(a)) (x) factor
+    diag(signs), H_a Sylvester's Hadamard matrix of order a = `sylvester` (a power of two, 32..1024) and
+    `factor` the m x m fp32 second factor (K = a m; m = 1: none) - qoqtool.runtime.mlp's online
+    down_proj rotation, in the quantization kernel."""
+    m, k = check_quantize(gate, k_padded, "gate")
+    _expect("up", up, torch.float16, (m, k))
+    order = factor.shape[0] if factor.dim() == 2 else 0
+    _expect("factor", factor, torch.float32, (order, order))
+    _expect("signs", signs, torch.float32, (k,))
+    low, high = ROTATE_SYLVESTER
+    if (not low <= sylvester <= high or sylvester & (sylvester - 1) or not 1 <= order <= ROTATE_MAX_M
+            or sylvester * order != k):
+        raise ValueError(f"the fused rotation needs K = a * m with a a power of two from {low} to {high} and "
+                         f"m <= {ROTATE_MAX_M}: got K = {k}, a = {sylvester}, m = {order}")
+    _expect_device(gate=gate, up=up, factor=factor, signs=signs)
+    outs = _quantize_outputs(m, k_padded, gate.device)
+    if m:
+        _call("qoq_silu_mul_rotate_quantize", kl.ptr(gate), kl.ptr(up), kl.ptr(factor), kl.ptr(signs), m, k, k_padded,
+              sylvester, order, *map(kl.ptr, outs), kl.stream_of(gate))
+    return outs
+
+
+@silu_mul_rotate_quantize.register_fake
+def _(gate, up, factor, signs, sylvester, k_padded):
     return _quantize_fake(gate, k_padded)
 
 

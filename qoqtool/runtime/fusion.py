@@ -6,13 +6,16 @@ and its INT8 codes in one pass, so the fp16 tensor between them is never written
 
     normed_linears(norm, h, (q, k, v))   RMSNorm + per-token quantization, once for all three,
                                          and one GEMM for all three (merged_linear)
-    mlp_output(mlp, gate, up)            silu(gate) * up + quantization, feeding down_proj
+    mlp_output(mlp, gate, up)            silu(gate) * up + quantization, feeding down_proj; where
+                                         the recipe rotates down_proj's input online, the
+                                         rotation too (silu_mul_rotate_quantize)
 
 Each falls back to the modules' own forward (the same computation, unfused) wherever the
 fused kernel does not apply: on the CPU, for linears that are not packed W4A8 linears running
 kernels, for inputs that are not fp16, for a norm that is not a plain RMSNorm with an fp16
-weight, and for an MLP whose down_proj input is rotated online (the rotation sits between the
-product and the quantization). The fused ops round as the unfused path does (fp16 norm output,
+weight, and for an MLP whose online down_proj rotation has a form the kernel does not take (a
+third Kronecker factor, a second one larger than 32 x 32 - Llama-2's 11008 = 2 x 5504 - or a
+Sylvester factor outside 32..1024). The fused ops round as the unfused path does (fp16 norm output,
 then the per-token scale) but sum in another order, so they agree with it up to rounding, not
 bit for bit. QOQTOOL_FUSED_NORMS=0 turns them off (to measure what they save).
 
@@ -36,6 +39,7 @@ from qoqtool.runtime.packed_linear import PackedLinear, _kernels
 
 ENABLED = os.environ.get("QOQTOOL_FUSED_NORMS", "1") != "0"
 MERGE = True  # merged_linear where it applies (a switch for benchmarks/decode.py)
+ROTATE = True  # the online down_proj rotation inside the quantization kernel where it applies (the same)
 SILU = {"SiLU", "SiLUActivation"}  # torch's, and transformers' (ACT2FN["silu"])
 
 
@@ -112,7 +116,30 @@ def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
         g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))  # (halves of a merged GEMM: copied)
         g, u = (t.clone() if t.data_ptr() % 16 else t for t in (g, u))
         return down(gate, quantized=torch.ops.qoqtool.silu_mul_quantize(g, u, down.k_padded))
+    if has_down_rotation(mlp) and type(mlp.act_fn).__name__ in SILU and gate.dtype == up.dtype == torch.float16:
+        form = _fused_rotation(getattr(mlp, ROTATION), gate)
+        if form is not None and _kernel_w4a8((down,), gate):
+            g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))
+            g, u = (t.clone() if t.data_ptr() % 16 else t for t in (g, u))
+            a, factor = form
+            quantized = torch.ops.qoqtool.silu_mul_rotate_quantize(g, u, factor, getattr(mlp, ROTATION).signs, a,
+                                                                   down.k_padded)
+            return down(gate, quantized=quantized)
     x = mlp.act_fn(gate) * up
     if has_down_rotation(mlp):
         x = getattr(mlp, ROTATION)(x)
     return down(x)
+
+
+def _fused_rotation(rotation, x: torch.Tensor):
+    """rotation.fused_form() when the fused kernel takes it (CUDA; a Sylvester order within
+    cuda_ops.ROTATE_SYLVESTER, a second factor of at most ROTATE_MAX_M), else None."""
+    if not (x.is_cuda and ENABLED and ROTATE):
+        return None
+    from qoqtool.runtime import cuda_ops
+
+    form = rotation.fused_form()
+    low, high = cuda_ops.ROTATE_SYLVESTER
+    if form is None or form[1].shape[0] > cuda_ops.ROTATE_MAX_M or not low <= form[0] <= high:
+        return None
+    return form

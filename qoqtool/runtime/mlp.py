@@ -48,6 +48,15 @@ class KroneckerRotation(nn.Module):
             self._buffers[name] = buf.to(self._buffers[name].device)
         return self
 
+    def fused_form(self) -> tuple[int, torch.Tensor] | None:
+        """(a, F): the rotation as (H_a / sqrt(a)) (x) F diag(signs) with H_a Sylvester's matrix
+        (hadamard.factors puts it first) and F the second factor (1 x 1 if there is none), the
+        form qoqtool::silu_mul_rotate_quantize applies; None for a third factor."""
+        if len(self.shapes) > 2:
+            return None
+        second = self.factor1 if len(self.shapes) == 2 else self.signs.new_ones(1, 1)
+        return self.shapes[0], second
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = x.float().reshape(-1, *self.shapes)
