@@ -30,13 +30,15 @@ def test_random_hadamard_is_orthogonal_and_seeded():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-@pytest.mark.parametrize("n", [12, 64, 72, 576, 1536, 14336])
+@pytest.mark.parametrize("n", [12, 64, 72, 576, 1536, 14336, 1848, 5504])
 def test_kronecker_rotation_is_the_random_hadamard(n):
     """The online down_proj rotation, applied factor by factor, is x @ random_hadamard(n),
-    and stays float32 in a model cast to half."""
-    from qoqtool.runtime.mlp import KroneckerRotation
+    and stays float32 in a model cast to half. 1848 = 2 x 924 (Paley II, q = 461) and 5504
+    (Paley I, q = 5503; Llama-2's 11008 = 2 x 5504) take the FFT path."""
+    from qoqtool.runtime.mlp import FFT_ABOVE, KroneckerRotation
 
     rotation = KroneckerRotation(n, seed=7)
+    assert bool(rotation.paley) == (max(rotation.shapes[1:]) > FFT_ABOVE)
     x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n))
     want = (x.double() @ random_hadamard(n, 7)).float()
     assert torch.allclose(rotation(x), want, rtol=0, atol=1e-5 * float(want.abs().max()))
@@ -222,4 +224,18 @@ def test_kronecker_rotation_fused_form_is_the_rotation():
         y = (_sylvester(a).t() @ x.reshape(2, a, m) @ factor.double()).reshape(2, n) * rotation.signs.double() / a**0.5
         assert torch.allclose(y, x @ random_hadamard(n, 3), atol=1e-5)
     assert KroneckerRotation(3808, seed=0).fused_form() is None
-    assert KroneckerRotation(11008, seed=0).fused_form()[1].shape == (5504, 5504)  # (too large for the kernel)
+    assert KroneckerRotation(11008, seed=0).fused_form() is None  # 2 x 5504: the Paley factor by FFT
+
+
+@pytest.mark.parametrize("q,kind", [(5, "paley2"), (13, "paley2"), (461, "paley2"), (3, "paley1"), (19, "paley1"),
+                                    (139, "paley1")])
+def test_paley_factor_by_fft_is_the_matrix(q, kind):
+    """runtime.mlp._paley_times (x H by a circular convolution) against the Paley matrices that
+    hadamard.py builds, small orders included (the rotation uses it only above FFT_ABOVE)."""
+    from qoqtool.runtime.mlp import _paley_times
+    from qoqtool.transforms.hadamard import _paley1, _paley2, paley_character
+
+    h = (_paley1 if kind == "paley1" else _paley2)(q)
+    x = torch.randn(3, 2, h.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(q))
+    got = _paley_times(x, kind, q, torch.fft.rfft(paley_character(q)))
+    assert torch.allclose(got, x @ h, atol=1e-9)

@@ -11,6 +11,11 @@ block-output smoothing); it is qoqtool's option.
 R is applied in its Kronecker form, H = H_a (x) H_b (x) ..., never as a dense n x n matrix:
 for a row x viewed as the matrix X [a, b], x (A (x) B) = vec(A^T X B). That costs
 n (a + b + ...) multiply-adds per token instead of n^2 (n = 14336: 540 instead of 14336).
+A Paley factor of order above FFT_ABOVE is applied by FFT instead: it is a bordered
+circulant (hadamard.paley_character), so X times it is a circular convolution, O(m log m) per
+column and no m x m buffer - Llama-2's 11008 = 2 x 5504 would otherwise cost 5504 multiply-adds
+per value and a 121 MB factor in every layer. On CUDA the default recipe's rotation (Sylvester
+times a factor of at most 32) runs inside the quantization kernel instead (runtime.fusion).
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import torch
 from torch import nn
 
 from qoqtool.recipe import saved_step
-from qoqtool.transforms.hadamard import factors, random_signs
+from qoqtool.transforms.hadamard import constructions, factors, paley_character, random_signs
 
 ROTATION = "qoq_down_rotation"  # the MLP's submodule
+FFT_ABOVE = 256  # Paley factors of a larger order are applied by FFT (Qwen2.5-32B's 924, Llama-2's 5504)
 
 
 class KroneckerRotation(nn.Module):
@@ -33,10 +39,16 @@ class KroneckerRotation(nn.Module):
 
     def __init__(self, n: int, seed: int):
         super().__init__()
-        self.shapes = []
-        for i, f in enumerate(factors(n)):
-            self.register_buffer(f"factor{i}", (f / f.shape[0] ** 0.5).float(), persistent=False)
-            self.shapes.append(f.shape[0])
+        self.shapes, self.paley = [], {}  # paley: factor index -> (construction, q), applied by FFT
+        for i, ((m, kind, q), f) in enumerate(zip(constructions(n), factors(n))):
+            self.shapes.append(m)
+            if kind.startswith("paley") and m > FFT_ABOVE:
+                self.paley[i] = (kind, q)
+                # The circulant's eigenvalues: x Q = irfft(rfft(x) * rfft(chi)).
+                self.register_buffer(f"spectrum{i}", torch.fft.rfft(paley_character(q)).to(torch.complex64),
+                                     persistent=False)
+            else:
+                self.register_buffer(f"factor{i}", (f / f.shape[0] ** 0.5).float(), persistent=False)
         self.register_buffer("signs", random_signs(n, seed).float(), persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -51,8 +63,8 @@ class KroneckerRotation(nn.Module):
     def fused_form(self) -> tuple[int, torch.Tensor] | None:
         """(a, F): the rotation as (H_a / sqrt(a)) (x) F diag(signs) with H_a Sylvester's matrix
         (hadamard.factors puts it first) and F the second factor (1 x 1 if there is none), the
-        form qoqtool::silu_mul_rotate_quantize applies; None for a third factor."""
-        if len(self.shapes) > 2:
+        form qoqtool::silu_mul_rotate_quantize applies; None for a third factor or one applied by FFT."""
+        if len(self.shapes) > 2 or self.paley:
             return None
         second = self.factor1 if len(self.shapes) == 2 else self.signs.new_ones(1, 1)
         return self.shapes[0], second
@@ -60,11 +72,34 @@ class KroneckerRotation(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = x.float().reshape(-1, *self.shapes)
-        for i in range(len(self.shapes)):
+        for i, m in enumerate(self.shapes):
             # contract axis 1 with factor i; the new axis goes last, so after all factors the
             # axes are back in their order
-            y = torch.tensordot(y, getattr(self, f"factor{i}"), dims=([1], [0]))
+            if i in self.paley:
+                y = _paley_times(y.movedim(1, -1), *self.paley[i], getattr(self, f"spectrum{i}")) / m**0.5
+            else:
+                y = torch.tensordot(y, getattr(self, f"factor{i}"), dims=([1], [0]))
         return (y.reshape(shape) * self.signs).to(x.dtype)
+
+
+def _paley_times(x: torch.Tensor, kind: str, q: int, spectrum: torch.Tensor) -> torch.Tensor:
+    """x H along the last axis for H = hadamard._paley1(q) or _paley2(q), by FFT (float32).
+    Both are built on the bordered circulant [[0, 1], [+-1, Q]], Q[i, j] = chi[(j - i) mod q]:
+    for x = [x0, x'], x' Q is the circular convolution of x' with chi."""
+
+    def conv(v, dim):  # v Q along `dim` (length q)
+        return torch.fft.irfft(torch.fft.rfft(v, dim=dim) * spectrum.reshape(-1, *[1] * (-1 - dim)), n=q, dim=dim)
+
+    if kind == "paley1":  # H = I + S, S[0, 1:] = 1, S[1:, 0] = -1, S[1:, 1:] = Q
+        x0, rest = x[..., :1], x[..., 1:]
+        return torch.cat([x0 - rest.sum(-1, keepdim=True), rest + x0 + conv(rest, -1)], dim=-1)
+    # paley2: H = C (x) A + I (x) B, C the symmetric [[0, 1], [1, Q]], A = [[1, 1], [1, -1]],
+    # B = [[1, -1], [-1, -1]]; x as X [q + 1, 2] (index 2 i + k), x H = vec(C^T X A + X B).
+    xs = x.unflatten(-1, (q + 1, 2))
+    x0, rest = xs[..., :1, :], xs[..., 1:, :]
+    cx = torch.cat([rest.sum(-2, keepdim=True), x0 + conv(rest, -2)], dim=-2)  # (C: no identity)
+    (c0, c1), (a, b) = cx.unbind(-1), xs.unbind(-1)
+    return torch.stack([c0 + c1 + a - b, c0 - c1 - a - b], dim=-1).flatten(-2)
 
 
 def _rotated_forward(self, x):

@@ -32,12 +32,17 @@ def _is_prime(q: int) -> bool:
     return True
 
 
-def _jacobsthal(q: int) -> torch.Tensor:
-    """Q[i, j] = legendre(j - i mod q) for prime q."""
+def paley_character(q: int) -> torch.Tensor:
+    """chi[a] = legendre(a mod q) for prime q (float64: 0, then +-1): the Jacobsthal matrix is
+    the circulant Q[i, j] = chi[(j - i) mod q], so x Q is a circular convolution of x with chi
+    (qoqtool.runtime.mlp applies large Paley factors that way, by FFT)."""
     residues = {(x * x) % q for x in range(1, q)}
-    chi = torch.tensor([0] + [1 if a in residues else -1 for a in range(1, q)], dtype=torch.float64)
+    return torch.tensor([0] + [1 if a in residues else -1 for a in range(1, q)], dtype=torch.float64)
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
     idx = (torch.arange(q)[None, :] - torch.arange(q)[:, None]) % q
-    return chi[idx]
+    return paley_character(q)[idx]
 
 
 def _paley1(q: int) -> torch.Tensor:
@@ -114,9 +119,10 @@ def decompose(n: int) -> list[int] | None:
     return None
 
 
-def factors(n: int) -> list[torch.Tensor]:
-    """Hadamard matrices (float64, +-1) whose Kronecker product is `hadamard(n)`, or a
-    UserError naming n: Sylvester's 2^a first, then the Paley orders."""
+def constructions(n: int) -> list[tuple[int, str, int]]:
+    """(order, construction, q) of each factor of `hadamard(n)` in Kronecker order - Sylvester's
+    2^a first ("sylvester" or "one", q = 0), then the Paley orders ("paley1" / "paley2" and
+    their prime q) - or a UserError naming n."""
     parts = decompose(n)
     if parts is None:
         raise UserError(
@@ -124,7 +130,14 @@ def factors(n: int) -> list[torch.Tensor]:
             f"e.g. 12, 20, 28, 36, 44, 60); disable the rotate step for this model"
         )
     orders = _paley_orders(n)
-    return [_sylvester(parts[0])] + [_build(m, orders[m]) for m in parts[1:]]
+    first = ("sylvester" if parts[0] > 1 else "one", 0)
+    return [(parts[0], *first)] + [(m, *orders[m]) for m in parts[1:]]
+
+
+def factors(n: int) -> list[torch.Tensor]:
+    """Hadamard matrices (float64, +-1) whose Kronecker product is `hadamard(n)`, or a
+    UserError naming n: Sylvester's 2^a first, then the Paley orders."""
+    return [_build(m, (kind, q)) for m, kind, q in constructions(n)]
 
 
 @functools.lru_cache(maxsize=32)
