@@ -1,0 +1,94 @@
+"""The online down_proj rotation (qoqtool.runtime.mlp.KroneckerRotation) at decode sizes:
+its large Paley factors applied by FFT against the same factor as a dense fp32 matrix.
+
+    python benchmarks/rotation.py                       # this machine's CPU
+    python benchmarks/rotation.py --device cuda --json rotation.json
+
+For each intermediate size (the Kronecker factors the rotation uses are printed) and batch of
+tokens: the time of one rotation of [batch, n] fp16 values, median of --repeat calls after a
+warm-up (CUDA: events around each call, so a call's launches are included), with the FFT
+path (the default above runtime.mlp.FFT_ABOVE) and with every factor dense, their ratio, the
+largest difference between the two (relative to the largest output value), and the bytes of
+the rotation's buffers (per layer: every MLP holds its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from qoqtool.runtime import mlp
+
+SIZES = {"llama2-7b": 11008, "qwen2.5-32b": 29568, "llama3-8b": 14336, "qwen2.5-7b": 18944}
+
+
+def buffer_bytes(module: torch.nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def time_call(fn, device: str, repeat: int) -> float:
+    """Median milliseconds of fn() over `repeat` calls after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sizes", default=",".join(SIZES))
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    device, results = args.device, []
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}; ms per rotation of [batch, n] fp16 values (median of {args.repeat})")
+    print(f"{'shape':>12} | {'n = factors':>22} | {'batch':>5} | {'FFT ms':>8} | {'dense ms':>9} | "
+          f"{'dense / FFT':>11} | {'max diff':>8} | {'buffers FFT / dense':>20}")
+    for shape in args.sizes.split(","):
+        n = SIZES[shape]
+        fft = mlp.KroneckerRotation(n, seed=0).to(device)
+        saved, mlp.FFT_ABOVE = mlp.FFT_ABOVE, 1 << 30
+        try:
+            dense = mlp.KroneckerRotation(n, seed=0).to(device)
+        finally:
+            mlp.FFT_ABOVE = saved
+        for batch in map(int, args.batches.split(",")):
+            x = torch.randn(batch, n, generator=torch.Generator().manual_seed(batch)).half().to(device)
+            with torch.no_grad():
+                a, b = fft(x).float(), dense(x).float()
+                t_fft = time_call(lambda: fft(x), device, args.repeat)
+                t_dense = time_call(lambda: dense(x), device, args.repeat)
+            diff = float((a - b).abs().max() / b.abs().max())
+            sizes = f"{buffer_bytes(fft) / 2**20:.2f} / {buffer_bytes(dense) / 2**20:.1f} MiB"
+            print(f"{shape:>12} | {f'{n} = ' + ' x '.join(map(str, fft.shapes)):>22} | {batch:>5} | {t_fft:>8.3f} | "
+                  f"{t_dense:>9.3f} | {t_dense / t_fft:>10.2f}x | {diff:>8.1e} | {sizes:>20}")
+            results.append({"shape": shape, "n": n, "factors": fft.shapes, "fft": bool(fft.paley), "batch": batch,
+                            "fft_ms": t_fft, "dense_ms": t_dense, "max_rel_diff": diff,
+                            "buffer_bytes_fft": buffer_bytes(fft), "buffer_bytes_dense": buffer_bytes(dense)})
+        del fft, dense
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
