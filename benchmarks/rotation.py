@@ -6,8 +6,10 @@ its large Paley factors applied by FFT against the same factor as a dense fp32 m
 
 For each intermediate size (the Kronecker factors the rotation uses are printed) and batch of
 tokens: the time of one rotation of [batch, n] fp16 values, median of --repeat calls after a
-warm-up (CUDA: events around each call, so a call's launches are included), with the FFT
-path (the default above runtime.mlp.FFT_ABOVE) and with every factor dense, their ratio, the
+warm-up (CUDA: events around each call, so a call's launches are included), as the runtime
+runs it ("default": Paley factors above runtime.mlp.FFT_ABOVE by FFT, the others dense; the
+sizes without such a factor are the control, the same code twice) and with every factor
+dense, their ratio, the
 largest difference between the two (relative to the largest output value), and the bytes of
 the rotation's buffers (per layer: every MLP holds its own).
 """
@@ -61,8 +63,8 @@ def main() -> None:
     device, results = args.device, []
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}; ms per rotation of [batch, n] fp16 values (median of {args.repeat})")
-    print(f"{'shape':>12} | {'n = factors':>22} | {'batch':>5} | {'FFT ms':>8} | {'dense ms':>9} | "
-          f"{'dense / FFT':>11} | {'max diff':>8} | {'buffers FFT / dense':>20}")
+    print(f"{'shape':>12} | {'n = factors':>22} | {'batch':>5} | {'default ms':>10} | {'dense ms':>9} | "
+          f"{'dense / default':>15} | {'max diff':>8} | {'buffers default / dense':>24}")
     for shape in args.sizes.split(","):
         n = SIZES[shape]
         fft = mlp.KroneckerRotation(n, seed=0).to(device)
@@ -79,11 +81,11 @@ def main() -> None:
                 t_dense = time_call(lambda: dense(x), device, args.repeat)
             diff = float((a - b).abs().max() / b.abs().max())
             sizes = f"{buffer_bytes(fft) / 2**20:.2f} / {buffer_bytes(dense) / 2**20:.1f} MiB"
-            print(f"{shape:>12} | {f'{n} = ' + ' x '.join(map(str, fft.shapes)):>22} | {batch:>5} | {t_fft:>8.3f} | "
-                  f"{t_dense:>9.3f} | {t_dense / t_fft:>10.2f}x | {diff:>8.1e} | {sizes:>20}")
-            results.append({"shape": shape, "n": n, "factors": fft.shapes, "fft": bool(fft.paley), "batch": batch,
-                            "fft_ms": t_fft, "dense_ms": t_dense, "max_rel_diff": diff,
-                            "buffer_bytes_fft": buffer_bytes(fft), "buffer_bytes_dense": buffer_bytes(dense)})
+            print(f"{shape:>12} | {f'{n} = ' + ' x '.join(map(str, fft.shapes)):>22} | {batch:>5} | {t_fft:>10.3f} | "
+                  f"{t_dense:>9.3f} | {t_dense / t_fft:>14.2f}x | {diff:>8.1e} | {sizes:>24}")
+            results.append({"shape": shape, "n": n, "factors": fft.shapes, "fft_factor": bool(fft.paley), "batch": batch,
+                            "default_ms": t_fft, "dense_ms": t_dense, "max_rel_diff": diff,
+                            "buffer_bytes_default": buffer_bytes(fft), "buffer_bytes_dense": buffer_bytes(dense)})
         del fft, dense
     if args.json:
         with open(args.json, "w") as f:

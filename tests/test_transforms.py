@@ -30,15 +30,20 @@ def test_random_hadamard_is_orthogonal_and_seeded():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-@pytest.mark.parametrize("n", [12, 64, 72, 576, 1536, 14336, 1848, 5504])
-def test_kronecker_rotation_is_the_random_hadamard(n):
+@pytest.mark.parametrize("n,fft_above", [(12, None), (64, None), (72, None), (576, None), (1536, None),
+                                         (14336, None), (1848, None), (1848, 256), (5504, None)])
+def test_kronecker_rotation_is_the_random_hadamard(n, fft_above, monkeypatch):
     """The online down_proj rotation, applied factor by factor, is x @ random_hadamard(n),
-    and stays float32 in a model cast to half. 1848 = 2 x 924 (Paley II, q = 461) and 5504
-    (Paley I, q = 5503; Llama-2's 11008 = 2 x 5504) take the FFT path."""
-    from qoqtool.runtime.mlp import FFT_ABOVE, KroneckerRotation
+    and stays float32 in a model cast to half. 5504 (Paley I, q = 5503; Llama-2's 11008 =
+    2 x 5504) takes the FFT path, 1848 = 2 x 924 (Paley II, q = 461) the dense one unless the
+    FFT threshold is lowered."""
+    from qoqtool.runtime import mlp
+    from qoqtool.runtime.mlp import KroneckerRotation
 
+    if fft_above is not None:
+        monkeypatch.setattr(mlp, "FFT_ABOVE", fft_above)
     rotation = KroneckerRotation(n, seed=7)
-    assert bool(rotation.paley) == (max(rotation.shapes[1:]) > FFT_ABOVE)
+    assert bool(rotation.paley) == (max(rotation.shapes[1:]) > mlp.FFT_ABOVE) == (n == 5504 or fft_above is not None)
     x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n))
     want = (x.double() @ random_hadamard(n, 7)).float()
     assert torch.allclose(rotation(x), want, rtol=0, atol=1e-5 * float(want.abs().max()))
@@ -232,10 +237,10 @@ def test_kronecker_rotation_fused_form_is_the_rotation():
 def test_paley_factor_by_fft_is_the_matrix(q, kind):
     """runtime.mlp._paley_times (x H by a circular convolution) against the Paley matrices that
     hadamard.py builds, small orders included (the rotation uses it only above FFT_ABOVE)."""
-    from qoqtool.runtime.mlp import _paley_times
+    from qoqtool.runtime.mlp import _fft_size, _paley_times
     from qoqtool.transforms.hadamard import _paley1, _paley2, paley_character
 
     h = (_paley1 if kind == "paley1" else _paley2)(q)
     x = torch.randn(3, 2, h.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(q))
-    got = _paley_times(x, kind, q, torch.fft.rfft(paley_character(q)))
+    got = _paley_times(x, kind, q, torch.fft.rfft(paley_character(q).repeat(2), n=_fft_size(q)))
     assert torch.allclose(got, x @ h, atol=1e-9)

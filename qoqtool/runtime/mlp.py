@@ -11,7 +11,7 @@ block-output smoothing); it is qoqtool's option.
 R is applied in its Kronecker form, H = H_a (x) H_b (x) ..., never as a dense n x n matrix:
 for a row x viewed as the matrix X [a, b], x (A (x) B) = vec(A^T X B). That costs
 n (a + b + ...) multiply-adds per token instead of n^2 (n = 14336: 540 instead of 14336).
-A Paley factor of order above FFT_ABOVE is applied by FFT instead: it is a bordered
+A Paley factor of order above FFT_ABOVE (1024) is applied by FFT instead: it is a bordered
 circulant (hadamard.paley_character), so X times it is a circular convolution, O(m log m) per
 column and no m x m buffer - Llama-2's 11008 = 2 x 5504 would otherwise cost 5504 multiply-adds
 per value and a 121 MB factor in every layer. On CUDA the default recipe's rotation (Sylvester
@@ -29,7 +29,10 @@ from qoqtool.recipe import saved_step
 from qoqtool.transforms.hadamard import constructions, factors, paley_character, random_signs
 
 ROTATION = "qoq_down_rotation"  # the MLP's submodule
-FFT_ABOVE = 256  # Paley factors of a larger order are applied by FFT (Qwen2.5-32B's 924, Llama-2's 5504)
+# Paley factors of a larger order are applied by FFT: Llama-2's 5504 (a dense factor would be
+# 116 MiB a layer); Qwen2.5-32B's 924 stays dense (3.4 MiB, and faster so on an H200:
+# benchmarks/rotation.py, RESULTS.md "The down_proj rotation's large factors").
+FFT_ABOVE = 1024
 
 
 class KroneckerRotation(nn.Module):
@@ -44,9 +47,11 @@ class KroneckerRotation(nn.Module):
             self.shapes.append(m)
             if kind.startswith("paley") and m > FFT_ABOVE:
                 self.paley[i] = (kind, q)
-                # The circulant's eigenvalues: x Q = irfft(rfft(x) * rfft(chi)).
-                self.register_buffer(f"spectrum{i}", torch.fft.rfft(paley_character(q)).to(torch.complex64),
-                                     persistent=False)
+                # x Q as a linear convolution with chi repeated twice, whose outputs q..2q-1 are
+                # the circular ones, by power-of-two FFTs (a prime length q would take cuFFT's
+                # several-kernel Bluestein path): the spectrum of [chi, chi] padded to 2^k >= 2q.
+                self.register_buffer(f"spectrum{i}", torch.fft.rfft(paley_character(q).repeat(2), n=_fft_size(q))
+                                     .to(torch.complex64), persistent=False)
             else:
                 self.register_buffer(f"factor{i}", (f / f.shape[0] ** 0.5).float(), persistent=False)
         self.register_buffer("signs", random_signs(n, seed).float(), persistent=False)
@@ -82,13 +87,21 @@ class KroneckerRotation(nn.Module):
         return (y.reshape(shape) * self.signs).to(x.dtype)
 
 
+def _fft_size(q: int) -> int:
+    return 1 << (2 * q - 1).bit_length()  # the power of two >= 2q
+
+
 def _paley_times(x: torch.Tensor, kind: str, q: int, spectrum: torch.Tensor) -> torch.Tensor:
     """x H along the last axis for H = hadamard._paley1(q) or _paley2(q), by FFT (float32).
     Both are built on the bordered circulant [[0, 1], [+-1, Q]], Q[i, j] = chi[(j - i) mod q]:
-    for x = [x0, x'], x' Q is the circular convolution of x' with chi."""
+    for x = [x0, x'], x' Q is the circular convolution of x' with chi, i.e. outputs q..2q-1 of
+    the linear convolution of x' with [chi, chi] (`spectrum`: its FFT of size 2^k >= 2q, which
+    no index of those outputs wraps around)."""
+    n = _fft_size(q)
 
     def conv(v, dim):  # v Q along `dim` (length q)
-        return torch.fft.irfft(torch.fft.rfft(v, dim=dim) * spectrum.reshape(-1, *[1] * (-1 - dim)), n=q, dim=dim)
+        full = torch.fft.irfft(torch.fft.rfft(v, n=n, dim=dim) * spectrum.reshape(-1, *[1] * (-1 - dim)), n=n, dim=dim)
+        return full.narrow(dim, q, q)
 
     if kind == "paley1":  # H = I + S, S[0, 1:] = 1, S[1:, 0] = -1, S[1:, 1:] = Q
         x0, rest = x[..., :1], x[..., 1:]
