@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from qoqtool.packing.layout import PackedLayout
-from qoqtool.runtime.mlp import ROTATION, has_down_rotation
+from qoqtool.runtime.mlp import ROTATION
 from qoqtool.runtime.packed_linear import PackedLinear, _kernels
 
 ENABLED = os.environ.get("QOQTOOL_FUSED_NORMS", "1") != "0"
@@ -109,32 +109,27 @@ def merged_linear(linears: tuple[PackedLinear, ...]) -> PackedLinear | None:
 
 def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """down_proj(act_fn(gate) * up) - rotated first where the recipe rotates it online
-    (qoqtool.runtime.mlp) - the product and the quantization fused when they can be."""
-    down = mlp.down_proj
-    if (not has_down_rotation(mlp) and type(mlp.act_fn).__name__ in SILU and gate.dtype == up.dtype
-            and _kernel_w4a8((down,), gate)):
-        g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))  # (halves of a merged GEMM: copied)
-        g, u = (t.clone() if t.data_ptr() % 16 else t for t in (g, u))
-        return down(gate, quantized=torch.ops.qoqtool.silu_mul_quantize(g, u, down.k_padded))
-    if has_down_rotation(mlp) and type(mlp.act_fn).__name__ in SILU and gate.dtype == up.dtype == torch.float16:
-        form = _fused_rotation(getattr(mlp, ROTATION), gate)
-        if form is not None and _kernel_w4a8((down,), gate):
-            g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))
+    (qoqtool.runtime.mlp) - the product, the rotation and the quantization fused when they can be."""
+    down, rotation = mlp.down_proj, getattr(mlp, ROTATION, None)
+    if type(mlp.act_fn).__name__ in SILU and gate.dtype == up.dtype and _kernel_w4a8((down,), gate):
+        form = None if rotation is None else _fused_rotation(rotation)
+        if rotation is None or form is not None:
+            g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))  # (halves of a merged GEMM: copied)
             g, u = (t.clone() if t.data_ptr() % 16 else t for t in (g, u))
-            a, factor = form
-            quantized = torch.ops.qoqtool.silu_mul_rotate_quantize(g, u, factor, getattr(mlp, ROTATION).signs, a,
-                                                                   down.k_padded)
+            quantized = (torch.ops.qoqtool.silu_mul_quantize(g, u, down.k_padded) if form is None else
+                         torch.ops.qoqtool.silu_mul_rotate_quantize(g, u, form[1], rotation.signs, form[0],
+                                                                    down.k_padded))
             return down(gate, quantized=quantized)
     x = mlp.act_fn(gate) * up
-    if has_down_rotation(mlp):
-        x = getattr(mlp, ROTATION)(x)
+    if rotation is not None:
+        x = rotation(x)
     return down(x)
 
 
-def _fused_rotation(rotation, x: torch.Tensor):
-    """rotation.fused_form() when the fused kernel takes it (CUDA; a Sylvester order within
+def _fused_rotation(rotation):
+    """rotation.fused_form() when the fused kernel takes it (a Sylvester order within
     cuda_ops.ROTATE_SYLVESTER, a second factor of at most ROTATE_MAX_M), else None."""
-    if not (x.is_cuda and ENABLED and ROTATE):
+    if not ROTATE:
         return None
     from qoqtool.runtime import cuda_ops
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from qoqtool.recipe import saved_step
-from qoqtool.transforms.hadamard import constructions, factors, paley_character, random_signs
+from qoqtool.transforms.hadamard import build_factor, constructions, paley_character, random_signs
 
 ROTATION = "qoq_down_rotation"  # the MLP's submodule
 # Paley factors of a larger order are applied by FFT: Llama-2's 5504 (a dense factor would be
@@ -43,7 +43,7 @@ class KroneckerRotation(nn.Module):
     def __init__(self, n: int, seed: int):
         super().__init__()
         self.shapes, self.paley = [], {}  # paley: factor index -> (construction, q), applied by FFT
-        for i, ((m, kind, q), f) in enumerate(zip(constructions(n), factors(n))):
+        for i, (m, kind, q) in enumerate(constructions(n)):
             self.shapes.append(m)
             if kind.startswith("paley") and m > FFT_ABOVE:
                 self.paley[i] = (kind, q)
@@ -53,7 +53,7 @@ class KroneckerRotation(nn.Module):
                 self.register_buffer(f"spectrum{i}", torch.fft.rfft(paley_character(q).repeat(2), n=_fft_size(q))
                                      .to(torch.complex64), persistent=False)
             else:
-                self.register_buffer(f"factor{i}", (f / f.shape[0] ** 0.5).float(), persistent=False)
+                self.register_buffer(f"factor{i}", (build_factor(m, kind, q) / m**0.5).float(), persistent=False)
         self.register_buffer("signs", random_signs(n, seed).float(), persistent=False)
 
     def _apply(self, fn, recurse=True):

@@ -87,8 +87,8 @@ def _paley_orders(limit: int) -> dict[int, tuple[str, int]]:
     return orders
 
 
-def _build(order: int, how: tuple[str, int]) -> torch.Tensor:
-    kind, q = how
+def build_factor(order: int, kind: str, q: int) -> torch.Tensor:
+    """The Hadamard factor of one `constructions` entry (float64, +-1)."""
     if kind == "one":
         return torch.ones(1, 1, dtype=torch.float64)
     if kind == "sylvester":
@@ -137,7 +137,7 @@ def constructions(n: int) -> list[tuple[int, str, int]]:
 def factors(n: int) -> list[torch.Tensor]:
     """Hadamard matrices (float64, +-1) whose Kronecker product is `hadamard(n)`, or a
     UserError naming n: Sylvester's 2^a first, then the Paley orders."""
-    return [_build(m, (kind, q)) for m, kind, q in constructions(n)]
+    return [build_factor(*c) for c in constructions(n)]
 
 
 @functools.lru_cache(maxsize=32)
