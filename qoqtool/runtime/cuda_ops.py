@@ -834,6 +834,12 @@ def _(gate, up, k_padded):
 ROTATE_SYLVESTER, ROTATE_MAX_M = (32, 1024), 32
 
 
+def has_fused_rotation() -> bool:
+    """Whether the loaded library has the fused rotation: builds before 2026-12-06 (timed through
+    benchmarks/library_ab.py) lack it, and runtime.fusion then rotates unfused."""
+    return hasattr(_lib(), "qoq_silu_mul_rotate_quantize")
+
+
 @torch.library.custom_op("qoqtool::silu_mul_rotate_quantize", mutates_args=())
 def silu_mul_rotate_quantize(gate: Tensor, up: Tensor, factor: Tensor, signs: Tensor, sylvester: int,
                              k_padded: int) -> tuple[Tensor, Tensor, Tensor]:

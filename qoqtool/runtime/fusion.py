@@ -128,11 +128,11 @@ def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
 
 def _fused_rotation(rotation):
     """rotation.fused_form() when the fused kernel takes it (a Sylvester order within
-    cuda_ops.ROTATE_SYLVESTER, a second factor of at most ROTATE_MAX_M), else None."""
-    if not ROTATE:
-        return None
+    cuda_ops.ROTATE_SYLVESTER, a second factor of at most ROTATE_MAX_M, a library that has it), else None."""
     from qoqtool.runtime import cuda_ops
 
+    if not ROTATE or not cuda_ops.has_fused_rotation():
+        return None
     form = rotation.fused_form()
     low, high = cuda_ops.ROTATE_SYLVESTER
     if form is None or form[1].shape[0] > cuda_ops.ROTATE_MAX_M or not low <= form[0] <= high:
