@@ -64,6 +64,34 @@ __device__ __forceinline__ void load8(const __half* row, int at, int K, float (&
 
 __device__ __forceinline__ float round_fp16(float v) { return __half2float(__float2half_rn(v)); }
 
+// The token's scale from this thread's |max| over its values (a block reduction; its barrier
+// also orders the block's earlier shared-memory writes): fp16(amax / 127), at least 2^-24, and
+// the same as the float the codes are divided by.
+struct TokenScale {
+  __half h;
+  float f;
+};
+__device__ __forceinline__ TokenScale token_scale(float amax, float* scratch) {
+  amax = block_reduce(amax, [](float a, float b) { return fmaxf(a, b); }, 0.f, scratch);
+  const __half h = __float2half_rn(fmaxf(__fdiv_rn(amax, 127.f), kFp16Tiny));
+  return {h, fmaxf(__half2float(h), kFp16Tiny)};
+}
+
+// One INT8 code: an IEEE division by the fp16-rounded scale, rounded to nearest even, clamped.
+__device__ __forceinline__ int token_code(float v, float scale) {
+  return max(-127, min(127, __float2int_rn(__fdiv_rn(v, scale))));
+}
+
+// The token's scale and the sum of its codes (this thread's part in `sum`), by thread 0.
+__device__ __forceinline__ void store_token(int sum, __half scale, int* scratch, __half* xs, int32_t* rowsum,
+                                            size_t row) {
+  sum = block_reduce(sum, [](int a, int b) { return a + b; }, 0, scratch);
+  if (threadIdx.x == 0) {
+    xs[row] = scale;
+    rowsum[row] = sum;
+  }
+}
+
 template <int ITEMS, bool VEC, Op OP>
 __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) {
   __shared__ float scratch_f[32];
@@ -109,9 +137,7 @@ __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) 
   for (int it = 0; it < ITEMS; ++it)
 #pragma unroll
     for (int j = 0; j < kVec; ++j) amax = fmaxf(amax, fabsf(v[it][j]));
-  amax = block_reduce(amax, [](float a, float b) { return fmaxf(a, b); }, 0.f, scratch_f);
-  const __half scale_h = __float2half_rn(fmaxf(__fdiv_rn(amax, 127.f), kFp16Tiny));
-  const float scale = fmaxf(__half2float(scale_h), kFp16Tiny);
+  const TokenScale scale = token_scale(amax, scratch_f);
 
   int sum = 0;
   int8_t* out = p.xq + row * p.Kp;
@@ -123,17 +149,13 @@ __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) 
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       // Past K the value is 0 and so is its code: the padding comes out zero.
-      const int q = max(-127, min(127, __float2int_rn(__fdiv_rn(v[it][j], scale))));
+      const int q = token_code(v[it][j], scale.f);
       sum += q;
       packed[j / 4] |= (static_cast<uint32_t>(q) & 0xFFu) << (8 * (j % 4));
     }
     *reinterpret_cast<uint2*>(out + at) = make_uint2(packed[0], packed[1]);  // Kp % 32 == 0: aligned
   }
-  sum = block_reduce(sum, [](int a, int b) { return a + b; }, 0, scratch_i);
-  if (threadIdx.x == 0) {
-    p.xs[row] = scale_h;
-    p.rowsum[row] = sum;
-  }
+  store_token(sum, scale.h, scratch_i, p.xs, p.rowsum, row);
 }
 
 template <bool VEC, Op OP>
@@ -264,26 +286,20 @@ __global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kerne
     x[i] = v;
     amax = fmaxf(amax, fabsf(v));
   }
-  amax = block_reduce(amax, [](float a, float b) { return fmaxf(a, b); }, 0.f, scratch_f);  // (its barrier orders x too)
-  const __half scale_h = __float2half_rn(fmaxf(__fdiv_rn(amax, 127.f), kFp16Tiny));
-  const float scale = fmaxf(__half2float(scale_h), kFp16Tiny);
+  const TokenScale scale = token_scale(amax, scratch_f);  // (its barrier orders x too)
   int sum = 0;
   int8_t* out = p.xq + row * p.Kp;
   for (int i = threadIdx.x * 4; i < p.Kp; i += kRotateThreads * 4) {  // Kp % 32 == 0: whole words
     uint32_t packed = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int q = i + j < p.K ? max(-127, min(127, __float2int_rn(__fdiv_rn(x[i + j], scale)))) : 0;
+      const int q = i + j < p.K ? token_code(x[i + j], scale.f) : 0;
       sum += q;
       packed |= (static_cast<uint32_t>(q) & 0xFFu) << (8 * j);
     }
     *reinterpret_cast<uint32_t*>(out + i) = packed;
   }
-  sum = block_reduce(sum, [](int a, int b) { return a + b; }, 0, scratch_i);
-  if (threadIdx.x == 0) {
-    p.xs[row] = scale_h;
-    p.rowsum[row] = sum;
-  }
+  store_token(sum, scale.h, scratch_i, p.xs, p.rowsum, row);
 }
 
 template <int RPL, int MMAX>
