@@ -22,8 +22,11 @@ timed by CUDA events). The packed model is also timed with the online down_proj 
 own kernels instead of inside the SiLU-product quantization ("rotation apart"; where the recipe
 rotates and the fused kernel takes the rotation's form), with q/k/v and gate/up as separate GEMMs
 ("not merged"), then also without the fused norm + quantization kernels ("unfused";
-qoqtool.runtime.fusion), and with --eager without a graph (the launch overhead the graph
-removes); those columns give the replay time and its ratio to the default's.
+qoqtool.runtime.fusion), where the recipe rotates down_proj's input and the two versions of
+the Hadamard constructions differ for the shape (Llama-2's 11008: 2 x 5504 by FFT in version
+1, 32 x 344 in version 2, the default) with version 1's rotation ("hadamard 1"), and with
+--eager without a graph (the launch overhead the graph removes); those columns give the replay
+time and its ratio to the default's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import time
 import torch
 
 from qoqtool.runtime import fusion
+from qoqtool.runtime.mlp import configure_mlp
 from qoqtool.runtime.generate import model_kv_bits
 
 SHAPES = {  # transformers LlamaConfig fields
@@ -60,14 +64,14 @@ def fp16_model(shape: str):
     return model.eval()
 
 
-def pack_in_place(model, recipe_name: str = RECIPE) -> None:
+def pack_in_place(model, recipe_name: str = RECIPE) -> dict:
     """Every decoder linear -> a packed W4A8 linear of the recipe's weights (one layer's codes,
-    each layer its own copy), and the recipe's run-time configuration."""
+    each layer its own copy), and the recipe's run-time configuration; returns the recipe as a
+    manifest saves it."""
     from qoqtool.models.adapter import LINEAR_NAMES, ModelAdapter
     from qoqtool.quantizers.schemes import WeightScheme
     from qoqtool.recipe import load_recipe
     from qoqtool.runtime.attention import configure_attention
-    from qoqtool.runtime.mlp import configure_mlp
     from qoqtool.runtime.packed_linear import PackedLinear
 
     recipe = load_recipe(recipe_name)
@@ -86,8 +90,24 @@ def pack_in_place(model, recipe_name: str = RECIPE) -> None:
                     packed[name] = PackedLinear.pack(weight, None, recipe.act_bits).cuda()
                 setattr(parent, name, copy.deepcopy(packed[name]))
     torch.cuda.empty_cache()
-    configure_attention(model, recipe.to_dict())
-    configure_mlp(model, recipe.to_dict())
+    saved = recipe.to_dict()
+    configure_attention(model, saved)
+    configure_mlp(model, saved)
+    return saved
+
+
+def legacy_rotation(saved: dict, intermediate_size: int) -> dict | None:
+    """The saved recipe with version 1 of the Hadamard constructions, where the recipe rotates
+    down_proj's input and version 1 builds this size otherwise; else None."""
+    from qoqtool.recipe import saved_step
+    from qoqtool.transforms.hadamard import decompose
+
+    rotate = saved_step(saved, "rotate")
+    if not rotate or not rotate.get("down_hadamard") or decompose(intermediate_size, 1) == decompose(intermediate_size, 2):
+        return None
+    legacy = copy.deepcopy(saved)
+    saved_step(legacy, "rotate")["hadamard"] = 1
+    return legacy
 
 
 def time_steps(model, batch: int, context: int, steps: int, cuda_graph: bool) -> dict:
@@ -144,8 +164,13 @@ def main() -> None:
     for shape in args.shapes.split(","):
         model = fp16_model(shape)
         fp16 = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
-        pack_in_place(model, args.recipe)
+        saved = pack_in_place(model, args.recipe)
         ours = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
+        legacy, hadamard1 = legacy_rotation(saved, SHAPES[shape]["intermediate_size"]), {}
+        if legacy:
+            configure_mlp(model, legacy)
+            hadamard1 = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
+            configure_mlp(model, saved)
         fusion.ROTATE = False  # the down_proj rotation as its own kernels (where the recipe has one)
         rotation_apart = {b: time_steps(model, b, args.context, args.steps, True) for b in batches}
         fusion.ROTATE = True
@@ -158,20 +183,22 @@ def main() -> None:
         print(f"\n{shape}: fp16 (cuBLAS, KV16) vs packed {args.recipe} (qoqtool kernels, KV{model_kv_bits(model)})")
         print(f"{'batch':>5} | {'fp16 loop':>9} | {'W4A8KV4 loop':>12} | {'speedup':>7} | {'fp16 replay':>11} | "
               f"{'W4A8KV4 replay':>14} | {'speedup':>7} | {'tokens/s':>9} | {'rotation apart':>15} | {'not merged':>15} | "
-              f"{'unfused':>15}"
+              f"{'unfused':>15}" + (f" | {'hadamard 1':>15}" if hadamard1 else "")
               + (" | eager loop" if eager else ""))
         for b in batches:
             f, o = fp16[b], ours[b]
             line = (f"{b:>5} | {f['loop_ms']:>9.3f} | {o['loop_ms']:>12.3f} | {f['loop_ms'] / o['loop_ms']:>6.2f}x | "
                     f"{f['replay_ms']:>11.3f} | {o['replay_ms']:>14.3f} | {f['replay_ms'] / o['replay_ms']:>6.2f}x | "
                     f"{o['tokens_per_s']:>9.0f} | " + " | ".join(
-                        f"{v[b]['replay_ms']:>8.3f} ({v[b]['replay_ms'] / o['replay_ms']:.2f}x)" for v in (rotation_apart, separate, unfused)))
+                        f"{v[b]['replay_ms']:>8.3f} ({v[b]['replay_ms'] / o['replay_ms']:.2f}x)"
+                        for v in (rotation_apart, separate, unfused) + ((hadamard1,) if hadamard1 else ())))
             if eager:
                 line += f" | {eager[b]['loop_ms']:.3f} ({eager[b]['loop_ms'] / o['loop_ms']:.1f}x the graph's)"
             print(line)
             results.append({"shape": shape, "batch": b, "fp16": f, "w4a8kv4": o, "w4a8kv4_rotation_apart": rotation_apart[b],
                             "w4a8kv4_not_merged": separate[b],
                             "w4a8kv4_unfused": unfused[b],
+                            **({"w4a8kv4_hadamard1": hadamard1[b]} if hadamard1 else {}),
                             **({"eager": eager[b]} if eager else {})})
         del model
         torch.cuda.empty_cache()

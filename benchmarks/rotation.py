@@ -3,6 +3,7 @@ its large Paley factors applied by FFT against the same factor as a dense fp32 m
 
     python benchmarks/rotation.py                       # this machine's CPU
     python benchmarks/rotation.py --device cuda --json rotation.json
+    python benchmarks/rotation.py --hadamard 1          # version 1 of the constructions (2 x 5504 for 11008)
 
 For each intermediate size (the Kronecker factors the rotation uses are printed) and batch of
 tokens: the time of one rotation of [batch, n] fp16 values, median of --repeat calls after a
@@ -11,7 +12,9 @@ runs it ("default": Paley factors above runtime.mlp.FFT_ABOVE by FFT, the others
 sizes without such a factor are the control, the same code twice) and with every factor
 dense, their ratio, the
 largest difference between the two (relative to the largest output value), and the bytes of
-the rotation's buffers (per layer: every MLP holds its own).
+the rotation's buffers (per layer: every MLP holds its own). --hadamard picks the version of
+the Hadamard constructions (qoqtool.transforms.hadamard; 2, the default, builds Llama-2's 11008
+as 32 x 344, so nothing there goes by FFT; 1 as 2 x 5504).
 """
 
 from __future__ import annotations
@@ -58,19 +61,21 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--hadamard", type=int, default=2, choices=(1, 2), help="version of the Hadamard constructions")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device, results = args.device, []
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"{name}, torch {torch.__version__}; ms per rotation of [batch, n] fp16 values (median of {args.repeat})")
+    print(f"{name}, torch {torch.__version__}; ms per rotation of [batch, n] fp16 values (median of {args.repeat}); "
+          f"Hadamard constructions version {args.hadamard}")
     print(f"{'shape':>12} | {'n = factors':>22} | {'batch':>5} | {'default ms':>10} | {'dense ms':>9} | "
           f"{'dense / default':>15} | {'max diff':>8} | {'buffers default / dense':>24}")
     for shape in args.sizes.split(","):
         n = SIZES[shape]
-        fft = mlp.KroneckerRotation(n, seed=0).to(device)
+        fft = mlp.KroneckerRotation(n, seed=0, version=args.hadamard).to(device)
         saved, mlp.FFT_ABOVE = mlp.FFT_ABOVE, 1 << 30
         try:
-            dense = mlp.KroneckerRotation(n, seed=0).to(device)
+            dense = mlp.KroneckerRotation(n, seed=0, version=args.hadamard).to(device)
         finally:
             mlp.FFT_ABOVE = saved
         for batch in map(int, args.batches.split(",")):
@@ -83,7 +88,7 @@ def main() -> None:
             sizes = f"{buffer_bytes(fft) / 2**20:.2f} / {buffer_bytes(dense) / 2**20:.1f} MiB"
             print(f"{shape:>12} | {f'{n} = ' + ' x '.join(map(str, fft.shapes)):>22} | {batch:>5} | {t_fft:>10.3f} | "
                   f"{t_dense:>9.3f} | {t_dense / t_fft:>14.2f}x | {diff:>8.1e} | {sizes:>24}")
-            results.append({"shape": shape, "n": n, "factors": fft.shapes, "fft_factor": bool(fft.paley), "batch": batch,
+            results.append({"shape": shape, "n": n, "hadamard": args.hadamard, "factors": fft.shapes, "fft_factor": bool(fft.paley), "batch": batch,
                             "default_ms": t_fft, "dense_ms": t_dense, "max_rel_diff": diff,
                             "buffer_bytes_default": buffer_bytes(fft), "buffer_bytes_dense": buffer_bytes(dense)})
         del fft, dense

@@ -13,13 +13,14 @@ activations, KV cache) and which steps run, in order, before the weights are rou
       - smooth_attention: {alpha: 0.5}
       - gptq: {damp: 0.01, block_size: 128}
 
-`Recipe.to_dict()` is what the manifest records, so a run can be reproduced and diffed.
+`Recipe.to_dict()` is what the manifest records (every step's parameters, defaults included),
+so a run can be reproduced and diffed.
 """
 
 from __future__ import annotations
 
 import importlib.resources
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
@@ -47,6 +48,15 @@ class Recipe:
         return next((s for s in self.steps if s.name == name), None)
 
     def to_dict(self) -> dict:
+        """The recipe as a manifest records it: every step with all of its parameters, defaults
+        included, so that a later qoqtool whose defaults differ reads the folder as it was made
+        (the rotate step's `hadamard` default went from 1 to 2)."""
+        from qoqtool.calibration.steps import step_params
+
+        def resolved(step: Step) -> dict:
+            params = asdict(step_params(step.name, step.params))
+            return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+
         w = self.weights
         return {
             "name": self.name,
@@ -54,7 +64,7 @@ class Recipe:
             "weights": {"bits": w.bits, "scheme": w.scheme, "group_size": w.group_size},
             "activations": {"bits": self.act_bits},
             "kv_cache": {"bits": self.kv_bits},
-            "steps": [{s.name: dict(s.params)} for s in self.steps],
+            "steps": [{s.name: resolved(s)} for s in self.steps],
         }
 
     def summary(self) -> str:
@@ -93,7 +103,7 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 
 def recipe_from_dict(data: dict, origin: str = "<dict>") -> Recipe:
-    from qoqtool.calibration.steps import STEPS  # the registry of step names
+    from qoqtool.calibration.steps import STEPS, step_params  # the registry of step names
 
     if not isinstance(data, dict) or "name" not in data or "weights" not in data:
         raise UserError(f"recipe {origin} needs at least 'name' and 'weights'")
@@ -121,6 +131,12 @@ def recipe_from_dict(data: dict, origin: str = "<dict>") -> Recipe:
         (name, params), = entry.items()
         if name not in STEPS:
             raise UserError(f"recipe {origin}: unknown step {name!r}; known steps: {', '.join(STEPS)}")
+        try:
+            step_params(name, dict(params or {}))  # unknown or bad parameters fail here, before any work
+        except UserError as err:
+            raise UserError(f"recipe {origin}: {err}") from None
+        except (TypeError, ValueError) as err:
+            raise UserError(f"recipe {origin}: step {name}: {err}") from None
         steps.append(Step(name, dict(params or {})))
     return Recipe(
         name=str(data["name"]),

@@ -75,6 +75,18 @@ def test_unknown_recipe_lists_known(tmp_path, tiny_folder):
     assert_user_error(proc, "unknown recipe", "rtn-w4a8kv4-g128", "qoq-w4a8kv4-g128")
 
 
+@pytest.mark.parametrize("step, words", [("rotate: {hadamard: 3}", ("hadamard must be one of 1, 2", "not 3")),
+                                         ("gptq: {dampening: 0.1}", ("unknown parameter(s) dampening", "damp"))])
+def test_bad_recipe_parameter_fails_before_loading_the_model(tmp_path, step, words):
+    """A recipe's step parameters are checked when the recipe is read: the model path here does
+    not even exist, and the error is the recipe's."""
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(f"name: bad\nweights: {{bits: 4, scheme: progressive, group_size: 128}}\nsteps:\n  - {step}\n")
+    proc = run_cli("quantize", str(tmp_path / "no-model"), "-r", str(recipe), "-o", str(tmp_path / "out"))
+    assert_user_error(proc, "bad.yaml", *words)
+    assert not (tmp_path / "out").exists()
+
+
 def test_zero_calibration_samples(tmp_path, tiny_folder):
     proc = run_cli("quantize", str(tiny_folder), "-r", "rtn-w8a8", "--calib-samples", "0", "-o", str(tmp_path / "out"))
     assert_user_error(proc, "--calib-samples")

@@ -185,7 +185,7 @@ def test_online_down_rotation_survives_save_and_pack(tmp_path):
 def test_manifest_and_files(tiny_folders):
     qdir, pdir = tiny_folders["prog-g32"]
     qman, man = fs.read_manifest(qdir), fs.read_manifest(pdir)
-    assert (man["format"], man["format_version"], man["float_dtype"]) == ("qoqtool-packed", 4, "float16")
+    assert (man["format"], man["format_version"], man["float_dtype"]) == ("qoqtool-packed", 5, "float16")
     assert man["outliers"] is None
     assert man["recipe"] == qman["recipe"] and man["calibration"] == qman["calibration"]
     gate = man["linears"]["model.layers.0.mlp.gate_proj"]

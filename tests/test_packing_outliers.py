@@ -95,7 +95,7 @@ def test_outliers_change_the_packed_output(with_outliers, tmp_path):
 def test_manifest_outliers_section(with_outliers):
     qdir, pdir = with_outliers["prog-g32"]
     qman, man = fs.read_manifest(qdir), fs.read_manifest(pdir)
-    assert man["format_version"] == packed.FORMAT_VERSION == 4
+    assert man["format_version"] == packed.FORMAT_VERSION == 5
     section = man["outliers"]
     assert section["format"] == tile_coo.FORMAT and section["chosen_by"] == "quantize"
     assert section["budget"] == {"kind": "fraction", "value": 0.02, "scope": "layer", "quads": True}

@@ -10,7 +10,8 @@ from qoqtool.transforms.hadamard import decompose, hadamard, random_hadamard
 from tests.conftest import tiny_model
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 12, 20, 28, 36, 64, 576, 768, 1536, 3584, 5120])
+@pytest.mark.parametrize("n", [1, 2, 4, 12, 20, 28, 36, 64, 576, 768, 1536, 3584, 5120,
+                               52, 100, 244, 344, 2 * 344])  # then Paley over GF(25), GF(49), GF(121), GF(343)
 def test_hadamard_orders(n):
     h = hadamard(n)
     assert torch.equal(h.abs(), torch.ones(n, n, dtype=h.dtype))
@@ -18,10 +19,28 @@ def test_hadamard_orders(n):
 
 
 def test_hadamard_unsupported_size_names_it():
-    for n in (9, 100, 6):
+    for n in (9, 172, 6):  # 172 = 4 x 43: neither 171 nor 85 is a prime power
         assert decompose(n) is None
         with pytest.raises(UserError, match=f"order {n}"):
             hadamard(n)
+    assert decompose(100, version=1) is None and decompose(100) == [1, 100]  # 100 = 2 (49 + 1)
+    with pytest.raises(UserError, match="hadamard must be one of 1, 2"):
+        decompose(64, version=3)
+
+
+def test_hadamard_versions_differ_only_where_primes_fall_short():
+    """Version 2 (prime-power fields too) keeps every order a prime gives as it was, so a
+    folder's rotation changes only for sizes version 1 built from a larger factor or not at
+    all; over a prime field both versions are the same circulant."""
+    from qoqtool.transforms.hadamard import _field_character, constructions, paley_character
+
+    assert constructions(11008, version=1) == [(2, "sylvester", 0), (5504, "paley1", 5503)]
+    assert constructions(11008) == [(32, "sylvester", 0), (344, "paley1", 343)]
+    assert constructions(53248, version=1)[1] == (104, "paley1", 103) and constructions(53248)[1] == (52, "paley2", 25)
+    for n in (576, 768, 896, 1536, 2560, 3584, 4864, 5120, 5632, 8960, 13824, 14336, 18944, 27648, 28672, 29568):
+        assert constructions(n, version=1) == constructions(n), n
+    for q in (5, 7, 13, 19):
+        assert torch.equal(_field_character(q)[1], paley_character(q))
 
 
 def test_random_hadamard_is_orthogonal_and_seeded():
@@ -30,22 +49,25 @@ def test_random_hadamard_is_orthogonal_and_seeded():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-@pytest.mark.parametrize("n,fft_above", [(12, None), (64, None), (72, None), (576, None), (1536, None),
-                                         (14336, None), (1848, None), (1848, 256), (5504, None)])
-def test_kronecker_rotation_is_the_random_hadamard(n, fft_above, monkeypatch):
+@pytest.mark.parametrize("n,fft_above,version", [(12, None, 2), (64, None, 2), (72, None, 2), (576, None, 2),
+                                                 (1536, None, 2), (14336, None, 2), (1848, None, 2), (1848, 256, 2),
+                                                 (5504, None, 1), (5504, None, 2), (1376, 256, 2)])
+def test_kronecker_rotation_is_the_random_hadamard(n, fft_above, version, monkeypatch):
     """The online down_proj rotation, applied factor by factor, is x @ random_hadamard(n),
-    and stays float32 in a model cast to half. 5504 (Paley I, q = 5503; Llama-2's 11008 =
-    2 x 5504) takes the FFT path, 1848 = 2 x 924 (Paley II, q = 461) the dense one unless the
-    FFT threshold is lowered."""
+    and stays float32 in a model cast to half. In version 1, 5504 (Paley I, q = 5503; Llama-2's
+    11008 = 2 x 5504) takes the FFT path; version 2 builds it as 16 x 344 (GF(7^3)), dense.
+    1848 = 2 x 924 (Paley II, q = 461) is dense unless the FFT threshold is lowered; a factor
+    over a prime-power field (1376 = 4 x 344) stays dense whatever the threshold."""
     from qoqtool.runtime import mlp
     from qoqtool.runtime.mlp import KroneckerRotation
 
     if fft_above is not None:
         monkeypatch.setattr(mlp, "FFT_ABOVE", fft_above)
-    rotation = KroneckerRotation(n, seed=7)
-    assert bool(rotation.paley) == (max(rotation.shapes[1:]) > mlp.FFT_ABOVE) == (n == 5504 or fft_above is not None)
+    rotation = KroneckerRotation(n, seed=7, version=version)
+    by_fft = (n == 5504 and version == 1) or n == 1848 and fft_above is not None
+    assert bool(rotation.paley) == by_fft
     x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(n))
-    want = (x.double() @ random_hadamard(n, 7)).float()
+    want = (x.double() @ random_hadamard(n, 7, version=version)).float()
     assert torch.allclose(rotation(x), want, rtol=0, atol=1e-5 * float(want.abs().max()))
     rotation.half()
     assert rotation.signs.dtype == torch.float32 and rotation(x.half()).dtype == torch.float16
@@ -68,8 +90,8 @@ def test_down_rotation_leaves_down_proj_to_itself():
 
 def test_down_rotation_refuses_an_intermediate_size_without_hadamard():
     model = tiny_model("llama", seed=2)
-    model.config.intermediate_size = 100  # checked before any weight changes
-    with pytest.raises(UserError, match="intermediate size 100"):
+    model.config.intermediate_size = 172  # checked before any weight changes
+    with pytest.raises(UserError, match="intermediate size 172"):
         quantize_model(model, _transform_recipe([{"rotate": {"down_hadamard": True}}]), torch.zeros(1, 8, dtype=torch.long),
                        transform_only=True)
 
@@ -147,7 +169,7 @@ def test_smooth_attention_scales_are_rope_tied():
     assert torch.all(lam >= amax.double().pow(0.5) - 1e-12)
 
 
-@pytest.mark.parametrize("hidden, heads, named", [(100, 2, "hidden size 100"), (60, 2, "head_dim 30")])
+@pytest.mark.parametrize("hidden, heads, named", [(172, 2, "hidden size 172"), (60, 2, "head_dim 30")])
 def test_rotation_refuses_sizes_without_hadamard(hidden, heads, named):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -229,7 +251,8 @@ def test_kronecker_rotation_fused_form_is_the_rotation():
         y = (_sylvester(a).t() @ x.reshape(2, a, m) @ factor.double()).reshape(2, n) * rotation.signs.double() / a**0.5
         assert torch.allclose(y, x @ random_hadamard(n, 3), atol=1e-5)
     assert KroneckerRotation(3808, seed=0).fused_form() is None
-    assert KroneckerRotation(11008, seed=0).fused_form() is None  # 2 x 5504: the Paley factor by FFT
+    assert KroneckerRotation(11008, seed=0, version=1).fused_form() is None  # 2 x 5504: the Paley factor by FFT
+    assert KroneckerRotation(11008, seed=0).fused_form()[0] == 32  # 32 x 344 (the kernel takes m <= 32: not fused)
 
 
 @pytest.mark.parametrize("q,kind", [(5, "paley2"), (13, "paley2"), (461, "paley2"), (3, "paley1"), (19, "paley1"),
@@ -244,3 +267,22 @@ def test_paley_factor_by_fft_is_the_matrix(q, kind):
     x = torch.randn(3, 2, h.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(q))
     got = _paley_times(x, kind, q, torch.fft.rfft(paley_character(q).repeat(2), n=_fft_size(q)))
     assert torch.allclose(got, x @ h, atol=1e-9)
+
+
+def test_a_saved_recipe_rebuilds_the_rotation_it_was_made_with():
+    """The manifest records the rotate step's `hadamard` (Recipe.to_dict fills in defaults);
+    a saved recipe from before the parameter existed has none and was made with version 1, so
+    the online rotation is rebuilt as version 1 (5504 = 1 x 5504 by FFT, not 16 x 344)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qoqtool.runtime.mlp import ROTATION, configure_mlp
+
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=64, intermediate_size=5504, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    saved = load_recipe("qoq-w4a8kv4-g128").to_dict()
+    assert saved["steps"][0]["rotate"]["hadamard"] == 2
+    for version, shapes in ((None, [1, 5504]), (1, [1, 5504]), (2, [16, 344])):
+        recipe = {"steps": [{"rotate": {"down_hadamard": True} | ({} if version is None else {"hadamard": version})}]}
+        model = AutoModelForCausalLM.from_config(config)
+        configure_mlp(model, recipe)
+        assert getattr(model.model.layers[0].mlp, ROTATION).shapes == shapes

@@ -40,8 +40,8 @@ from qoqtool.runtime.packed_linear import TILE_COO_BUFFERS, PackedLinear
 FORMAT = "qoqtool-packed"
 # 2: fp16 outliers in Tile-COO; 3: attention key shifts; 4: down_proj weights that may include
 # an online input rotation (docs/format.md, section 8). Versions 1-3 are still read.
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # docs/format.md, section 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 WEIGHTS_FILE = "model.safetensors"
 STATS_FILE = quantized.STATS_FILE
 # Every tensor that is not a packed weight parameter is deployed in fp16 (see fp16_rounded).

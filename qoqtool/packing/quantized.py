@@ -33,8 +33,10 @@ from qoqtool.packing import folder as fs
 from qoqtool.quantizers.formats import QuantizedWeight
 
 FORMAT = "qoqtool-quantized"
-FORMAT_VERSION = 3  # 2: may hold attention key shifts (center_keys); 3: down_proj rotated online
-READABLE_VERSIONS = (1, 2, 3)
+# 2: may hold attention key shifts (center_keys); 3: down_proj rotated online; 4: the rotate
+# step names its Hadamard constructions (`hadamard`; none: version 1)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 WEIGHTS_FILE = "model.safetensors"
 STATS_FILE = "calib_stats.safetensors"
 OUTLIERS_FILE = "outliers.safetensors"

@@ -125,15 +125,16 @@ def prepare_attention(model, recipe: dict) -> None:
             set_key_shift(module, torch.zeros(adapter.num_kv_heads, adapter.head_dim, device=device))
 
 
-def enable_key_rotation(model, head_dim: int, seed: int) -> None:
+def enable_key_rotation(model, head_dim: int, seed: int, version: int = 2) -> None:
     """Rotate every layer's post-RoPE queries and keys by one seeded random Hadamard matrix
     of order head_dim (the `key_hadamard` option of the rotate step), so that the KV cache
     stores rotated keys. RoPE does not commute with a dense rotation, so this one runs
-    online, after RoPE: a head_dim x head_dim product per head and token."""
+    online, after RoPE: a head_dim x head_dim product per head and token. `version`: the
+    rotate step's Hadamard constructions (qoqtool.transforms.hadamard)."""
     from qoqtool.transforms.hadamard import random_hadamard
 
     embeddings = model.get_input_embeddings().weight  # (its dtype: the queries' and keys', no cast per call)
-    rotation = random_hadamard(head_dim, seed).to(device=embeddings.device, dtype=embeddings.dtype)
+    rotation = random_hadamard(head_dim, seed, version=version).to(device=embeddings.device, dtype=embeddings.dtype)
     for module in attention_modules(model):
         # A non-persistent buffer: it follows the module between devices (calibration moves
         # one layer at a time) and stays out of the state dict; the recipe recreates it.
@@ -147,7 +148,16 @@ def configure_attention(model, recipe: dict) -> None:
     enable_kv_quantization(model, int(recipe["kv_cache"]["bits"]))
     rotate = saved_step(recipe, "rotate")
     if rotate and rotate.get("key_hadamard"):
-        enable_key_rotation(model, ModelAdapter(model).head_dim, key_rotation_seed(rotate.get("seed", 0)))
+        enable_key_rotation(model, ModelAdapter(model).head_dim, key_rotation_seed(rotate.get("seed", 0)),
+                            saved_hadamard_version(rotate))
+
+
+def saved_hadamard_version(rotate: dict) -> int:
+    """The Hadamard constructions a saved rotate step used: its `hadamard`, or for a recipe
+    saved before the parameter existed, version 1 (qoqtool.transforms.hadamard)."""
+    from qoqtool.transforms.hadamard import SAVED_DEFAULT
+
+    return int(rotate.get("hadamard", SAVED_DEFAULT))
 
 
 def key_rotation_seed(seed: int) -> int:

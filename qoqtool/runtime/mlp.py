@@ -11,11 +11,13 @@ block-output smoothing); it is qoqtool's option.
 R is applied in its Kronecker form, H = H_a (x) H_b (x) ..., never as a dense n x n matrix:
 for a row x viewed as the matrix X [a, b], x (A (x) B) = vec(A^T X B). That costs
 n (a + b + ...) multiply-adds per token instead of n^2 (n = 14336: 540 instead of 14336).
-A Paley factor of order above FFT_ABOVE (1024) is applied by FFT instead: it is a bordered
-circulant (hadamard.paley_character), so X times it is a circular convolution, O(m log m) per
-column and no m x m buffer - Llama-2's 11008 = 2 x 5504 would otherwise cost 5504 multiply-adds
-per value and a 121 MB factor in every layer. On CUDA the default recipe's rotation (Sylvester
-times a factor of at most 32) runs inside the quantization kernel instead (runtime.fusion).
+A Paley factor (over a prime field) of order above FFT_ABOVE (1024) is applied by FFT instead:
+it is a bordered circulant (hadamard.paley_character), so X times it is a circular convolution,
+O(m log m) per column and no m x m buffer - folders made with version 1 of the Hadamard
+constructions rotate Llama-2's 11008 as 2 x 5504, which would otherwise cost 5504 multiply-adds
+per value and a 121 MB factor in every layer (version 2, the default since 2026-12-07, builds
+it as 32 x 344). On CUDA the default recipe's rotation (Sylvester times a factor of at most 32)
+runs inside the quantization kernel instead (runtime.fusion).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ import torch
 from torch import nn
 
 from qoqtool.recipe import saved_step
-from qoqtool.transforms.hadamard import build_factor, constructions, paley_character, random_signs
+from qoqtool.transforms.hadamard import build_factor, constructions, is_prime, paley_character, random_signs
 
 ROTATION = "qoq_down_rotation"  # the MLP's submodule
-# Paley factors of a larger order are applied by FFT: Llama-2's 5504 (a dense factor would be
-# 116 MiB a layer); Qwen2.5-32B's 924 stays dense (3.4 MiB, and faster so on an H200:
+# Paley factors (over a prime) of a larger order are applied by FFT: Llama-2's 5504 in folders
+# made with version 1 of the Hadamard constructions (a dense factor would be 116 MiB a layer);
+# Qwen2.5-32B's 924 stays dense (3.4 MiB, and faster so on an H200:
 # benchmarks/rotation.py, RESULTS.md "The down_proj rotation's large factors").
 FFT_ABOVE = 1024
 
@@ -40,12 +43,13 @@ class KroneckerRotation(nn.Module):
     Computed in float32 whatever x is (a half-precision sum over 512 channels could overflow),
     each factor scaled to be orthogonal on its own, so no intermediate grows."""
 
-    def __init__(self, n: int, seed: int):
+    def __init__(self, n: int, seed: int, version: int = 2):
         super().__init__()
         self.shapes, self.paley = [], {}  # paley: factor index -> (construction, q), applied by FFT
-        for i, (m, kind, q) in enumerate(constructions(n)):
+        for i, (m, kind, q) in enumerate(constructions(n, version)):
             self.shapes.append(m)
-            if kind.startswith("paley") and m > FFT_ABOVE:
+            # (Over a prime field the Jacobsthal matrix is a circulant; over GF(p^k) it is not.)
+            if kind.startswith("paley") and m > FFT_ABOVE and is_prime(q):
                 self.paley[i] = (kind, q)
                 # x Q as a linear convolution with chi repeated twice, whose outputs q..2q-1 are
                 # the circular ones, by power-of-two FFTs (a prime length q would take cuFFT's
@@ -124,12 +128,13 @@ def mlp_modules(model):
     return [m for m in model.modules() if all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))]
 
 
-def enable_down_rotation(model, intermediate_size: int, seed: int) -> None:
+def enable_down_rotation(model, intermediate_size: int, seed: int, version: int = 2) -> None:
     """Every MLP computes down_proj(R-rotated silu(gate) * up): attaches the rotation (not
-    saved: the recipe recreates it) and overrides the module's forward."""
+    saved: the recipe recreates it; `version`: its Hadamard constructions) and overrides the
+    module's forward."""
     device = model.get_input_embeddings().weight.device  # (down_proj may be a QuantLinear by now)
     for mlp in mlp_modules(model):
-        rotation = KroneckerRotation(intermediate_size, seed).to(device)
+        rotation = KroneckerRotation(intermediate_size, seed, version).to(device)
         mlp.add_module(ROTATION, rotation)
         mlp.forward = types.MethodType(_rotated_forward, mlp)
 
@@ -146,7 +151,9 @@ def down_rotation_seed(seed: int) -> int:
 def configure_mlp(model, recipe: dict) -> None:
     """The MLP as a saved recipe (manifest form) runs it: the online down_proj rotation."""
     from qoqtool.models.adapter import ModelAdapter
+    from qoqtool.runtime.attention import saved_hadamard_version
 
     rotate = saved_step(recipe, "rotate")
     if rotate and rotate.get("down_hadamard"):
-        enable_down_rotation(model, ModelAdapter(model).intermediate_size, down_rotation_seed(rotate.get("seed", 0)))
+        enable_down_rotation(model, ModelAdapter(model).intermediate_size, down_rotation_seed(rotate.get("seed", 0)),
+                             saved_hadamard_version(rotate))

@@ -42,7 +42,7 @@ from qoqtool.models.adapter import ModelAdapter
 from qoqtool.errors import UserError
 from qoqtool.runtime.attention import enable_key_rotation, key_rotation_seed
 from qoqtool.runtime.mlp import down_rotation_seed, enable_down_rotation
-from qoqtool.transforms.hadamard import decompose, random_hadamard
+from qoqtool.transforms.hadamard import check_version, decompose, random_hadamard
 
 
 @dataclass
@@ -51,6 +51,10 @@ class RotateParams:
     value_hadamard: bool = True  # also rotate V per head (o_proj inputs rotated back)
     key_hadamard: bool = False  # also rotate post-RoPE Q and K per head, online (not in QServe)
     down_hadamard: bool = False  # also rotate down_proj's input, online (not in QServe)
+    hadamard: int = 2  # which Hadamard constructions (transforms/hadamard.py: 1 = prime fields only)
+
+    def __post_init__(self):
+        check_version(self.hadamard)
 
 
 def _set(linear, weight: torch.Tensor) -> None:
@@ -86,10 +90,10 @@ def _rotate_output(linear, q: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def rotate_values(adapter: ModelAdapter, seed: int) -> None:
+def rotate_values(adapter: ModelAdapter, seed: int, version: int) -> None:
     """v' = v H_d per KV head; o_proj's input columns of every query head rotated back."""
     d, kv_heads, heads = adapter.head_dim, adapter.num_kv_heads, adapter.num_heads
-    h = random_hadamard(d, seed + 1)
+    h = random_hadamard(d, seed + 1, version=version)
     for i in range(adapter.num_layers):
         p = adapter.parts(i)
         wv = p.v_proj.weight.data.double().reshape(kv_heads, d, -1)
@@ -104,17 +108,18 @@ def rotate_values(adapter: ModelAdapter, seed: int) -> None:
 def check_sizes(adapter: ModelAdapter, params: RotateParams) -> None:
     """Refuse, before touching any weight, a size that has no Hadamard matrix."""
     hint = "(Hadamard orders are 2^a times a Paley order such as 12, 20, 28, 36, 44, 60)"
-    if decompose(adapter.hidden_size) is None:
+    version = params.hadamard
+    if decompose(adapter.hidden_size, version) is None:
         raise UserError(
             f"this model's hidden size {adapter.hidden_size} has no Hadamard rotation {hint}; "
             "use a recipe without the rotate step (e.g. rtn-w4a8kv4-g128) or remove it from your recipe"
         )
-    if (params.value_hadamard or params.key_hadamard) and decompose(adapter.head_dim) is None:
+    if (params.value_hadamard or params.key_hadamard) and decompose(adapter.head_dim, version) is None:
         raise UserError(
             f"this model's head_dim {adapter.head_dim} has no Hadamard rotation {hint}; "
             "set `rotate: {value_hadamard: false, key_hadamard: false}` in the recipe"
         )
-    if params.down_hadamard and decompose(adapter.intermediate_size) is None:
+    if params.down_hadamard and decompose(adapter.intermediate_size, version) is None:
         raise UserError(
             f"this model's intermediate size {adapter.intermediate_size} has no Hadamard rotation {hint}; "
             "set `rotate: {down_hadamard: false}` in the recipe"
@@ -127,7 +132,8 @@ def rotate_model(adapter: ModelAdapter, params: RotateParams, notes: list[str]) 
     if adapter.untie_embeddings():
         notes.append("rotate: untied the input embeddings from lm_head (they now differ)")
     fold_all_norms(adapter)
-    q = random_hadamard(adapter.hidden_size, params.seed)
+    version = params.hadamard
+    q = random_hadamard(adapter.hidden_size, params.seed, version=version)
     emb = adapter.embed_tokens
     emb.weight.data = (emb.weight.data.double() @ q).to(emb.weight.dtype)
     for i in range(adapter.num_layers):
@@ -138,16 +144,16 @@ def rotate_model(adapter: ModelAdapter, params: RotateParams, notes: list[str]) 
             _rotate_output(linear, q)
     _rotate_input(adapter.lm_head, q)
     if params.value_hadamard:
-        rotate_values(adapter, params.seed)
+        rotate_values(adapter, params.seed, version)
     if params.key_hadamard:
-        enable_key_rotation(adapter.model, adapter.head_dim, key_rotation_seed(params.seed))
+        enable_key_rotation(adapter.model, adapter.head_dim, key_rotation_seed(params.seed), version)
         notes.append(f"rotate: post-RoPE queries and keys rotated online by a Hadamard of order {adapter.head_dim}")
     if params.down_hadamard:
         seed = down_rotation_seed(params.seed)
-        r = random_hadamard(adapter.intermediate_size, seed)
+        r = random_hadamard(adapter.intermediate_size, seed, version=version)
         for i in range(adapter.num_layers):
             _rotate_input(adapter.parts(i).down_proj, r)
-        enable_down_rotation(adapter.model, adapter.intermediate_size, seed)
+        enable_down_rotation(adapter.model, adapter.intermediate_size, seed, version)
         notes.append(f"rotate: down_proj inputs rotated online by a Hadamard of order {adapter.intermediate_size}")
     notes.append(f"rotate: residual stream rotated by a random Hadamard of order {adapter.hidden_size} (seed {params.seed})")
 
