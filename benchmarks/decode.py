@@ -49,6 +49,10 @@ SHAPES = {  # transformers LlamaConfig fields
                       num_key_value_heads=32, head_dim=128, vocab_size=32000),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    # Qwen2.5-7B's sizes as a Llama model (Qwen2's q/k/v biases left out: the speed of a step
+    # hardly depends on them); its MLP's 18944 = 128 x 148 rotation takes the tensor-core kernel
+    "qwen2.5-7b-shape": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                             num_key_value_heads=4, head_dim=128, vocab_size=152064),
 }
 RECIPE = "qoq-w4a8kv4-g128"
 PAGE_SIZE = 64

@@ -8,6 +8,9 @@
 //                            fp16((silu(gate) * up) R) -> (x_q, x_scale, x_rowsum), R the online
 //                            down_proj rotation (qoqtool.runtime.mlp.KroneckerRotation) of a
 //                            Kronecker form Sylvester(a) (x) F (a = 32..1024, m x m, m <= 32)
+//   qoq_silu_mul_rotate_quantize_bits
+//                            the same for F = H / sqrt(m), H a +-1 matrix of order 34..512 given
+//                            as sign bits, on the tensor cores
 //
 // Semantics are those of qoqtool.quantizers.activations.quantize_per_token, to the bit:
 // scale = fp16(amax / 127) (at least 2^-24), codes = clamp(rint(x / scale), -127, 127) with
@@ -184,49 +187,44 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
 // row lives in shared memory as X [a, m] (index r m + c), and R = (S_a / sqrt(a)) (x) F diag(s)
 // acts as y = vec(S_a^T X F) * s / sqrt(a): S_a the Sylvester Hadamard matrix of order a = 32 RPL
 // (symmetric), F the scaled m x m factor as KroneckerRotation holds it (fp32), s the signs.
-//  * S_a^T X: a warp per column (a column's a values, RPL per lane: row 32 k + lane in register
-//    k), butterflies between rows r and r + h in registers (h >= 32) and by shuffles (h < 32) -
-//    no barrier and no index arithmetic between the log2(a) passes (a first version with a pass
-//    per barrier over the whole shared row, its indices by division, took ~20 us a token at
-//    14336 = 512 x 28 on an H200: slower than the unfused kernels at batch 1 and 16);
-//  * X F: a thread per row, F in shared memory read as float4 (rows padded to 4 columns).
-// Then fp16 (the unfused path casts the rotation back to the model's dtype) and the quantization of
-// row_quantize_kernel, to the same rules. The sums run in another order than the unfused path's
-// GEMMs: codes may differ by one at rounding boundaries (tests/test_kernels_fused.py bounds how often).
+//  * S_a^T X: a warp per column (sylvester_columns);
+//  * X F, by the factor's order:
+//    - m <= kRotateMaxM (Llama-3 / Mistral 28, the demo 12): a thread per row on the CUDA cores,
+//      F in shared memory read as float4 (rows padded to 4 columns) - silu_mul_rotate_quantize_kernel;
+//    - m up to kRotateMaxBitsM (Llama-2's 344, Qwen2.5's 76-148, TinyLlama's 44), where a thread
+//      per row would need m accumulators and a x m^2 multiply-adds on one SM: on the tensor cores,
+//      F = H / sqrt(m) with H the +-1 Hadamard factor given as sign bits -
+//      silu_mul_rotate_quantize_mma_kernel, below;
+// then fp16 (the unfused path casts the rotation back to the model's dtype) and the quantization of
+// row_quantize_kernel, to the same rules (rotate_quantize_tail). The sums run in another order than
+// the unfused path's GEMMs: codes may differ by one at rounding boundaries
+// (tests/test_kernels_fused.py bounds how often).
 constexpr int kRotateThreads = 512;
-constexpr int kRotateMaxM = 32;  // the dense factor's order (Llama-3, Mistral: 28; SmolLM2: 12); 64 spilled
+constexpr int kRotateMaxM = 32;       // the CUDA-core factor's largest order; 64 spilled
+constexpr int kRotateMaxBitsM = 512;  // the tensor-core factor's largest order
+constexpr int kRotateMaxSmem = 227 * 1024;  // a CTA's dynamic shared memory on sm_90 (rotate_mma_smem bounds a x m)
 
 struct RotateParams {
   const __half* gate;
   const __half* up;
-  const float* factor;  // [m, m]
-  const float* signs;   // [K]
+  const float* factor;     // [m, m] (CUDA-core path)
+  const uint32_t* hbits;   // [m][ceil(m / 32)]: bit k % 32 of word [n][k / 32] set <=> H[k, n] = -1 (tensor-core path)
+  const float* signs;      // [K]
   int M, K, Kp, a, m;
   int8_t* xq;
   __half* xs;
   int32_t* rowsum;
 };
 
-template <int RPL, int MMAX>
-__global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kernel(const RotateParams p) {
-  extern __shared__ float rotate_smem[];  // the row [K], then F [m][m4]
-  __shared__ float scratch_f[32];
-  __shared__ int scratch_i[32];
-  pdl_launch_dependents();
-  const int m = p.m, m4 = (m + 3) & ~3, lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  float* x = rotate_smem;
-  float* f = rotate_smem + p.K;
-  const size_t row = blockIdx.x;
-  for (int i = threadIdx.x; i < m * m4; i += kRotateThreads) {
-    const int c = i / m4, j = i - c * m4;
-    f[i] = j < m ? p.factor[c * m + j] : 0.f;
-  }
-  for (int i = threadIdx.x; i < p.K; i += kRotateThreads) {
-    const float g = __half2float(p.gate[row * p.K + i]), u = __half2float(p.up[row * p.K + i]);
-    x[i] = round_fp16(__fdividef(g, 1.f + __expf(-g)) * u);  // as qoq_silu_mul_quantize
-  }
-  __syncthreads();
-  // S_a^T X, a warp per column.
+// S_a^T X in place for X = x as [a, m] in shared memory (a = 32 RPL), a warp per column (a
+// column's a values, RPL per lane: row 32 k + lane in register k), butterflies between rows r
+// and r + h in registers (h >= 32) and by shuffles (h < 32) - no barrier and no index arithmetic
+// between the log2(a) passes (a first version with a pass per barrier over the whole shared
+// row, its indices by division, took ~20 us a token at 14336 = 512 x 28 on an H200: slower than
+// the unfused kernels at batch 1 and 16).
+template <int RPL>
+__device__ __forceinline__ void sylvester_columns(float* x, int m) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   for (int c = warp; c < m; c += kRotateThreads / kWarp) {
     float v[RPL];
 #pragma unroll
@@ -252,6 +250,55 @@ __global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kerne
 #pragma unroll
     for (int k = 0; k < RPL; ++k) x[(32 * k + lane) * m + c] = v[k];
   }
+}
+
+// The rotated row x [K] (in shared memory, before its scale) -> y = fp16(x * scale * s), and
+// y's codes, scale and code sum as row_quantize_kernel writes them. Starts with no barrier: the
+// caller has made x visible.
+__device__ __forceinline__ void rotate_quantize_tail(const RotateParams& p, float* x, float scale_all, size_t row,
+                                                     float* scratch_f, int* scratch_i) {
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < p.K; i += kRotateThreads) {
+    const float v = round_fp16(x[i] * scale_all * p.signs[i]);
+    x[i] = v;
+    amax = fmaxf(amax, fabsf(v));
+  }
+  const TokenScale scale = token_scale(amax, scratch_f);  // (its barrier orders x too)
+  int sum = 0;
+  int8_t* out = p.xq + row * p.Kp;
+  for (int i = threadIdx.x * 4; i < p.Kp; i += kRotateThreads * 4) {  // Kp % 32 == 0: whole words
+    uint32_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int q = i + j < p.K ? token_code(x[i + j], scale.f) : 0;
+      sum += q;
+      packed |= (static_cast<uint32_t>(q) & 0xFFu) << (8 * j);
+    }
+    *reinterpret_cast<uint32_t*>(out + i) = packed;
+  }
+  store_token(sum, scale.h, scratch_i, p.xs, p.rowsum, row);
+}
+
+template <int RPL, int MMAX>
+__global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kernel(const RotateParams p) {
+  extern __shared__ float rotate_smem[];  // the row [K], then F [m][m4]
+  __shared__ float scratch_f[32];
+  __shared__ int scratch_i[32];
+  pdl_launch_dependents();
+  const int m = p.m, m4 = (m + 3) & ~3;
+  float* x = rotate_smem;
+  float* f = rotate_smem + p.K;
+  const size_t row = blockIdx.x;
+  for (int i = threadIdx.x; i < m * m4; i += kRotateThreads) {
+    const int c = i / m4, j = i - c * m4;
+    f[i] = j < m ? p.factor[c * m + j] : 0.f;
+  }
+  for (int i = threadIdx.x; i < p.K; i += kRotateThreads) {
+    const float g = __half2float(p.gate[row * p.K + i]), u = __half2float(p.up[row * p.K + i]);
+    x[i] = round_fp16(__fdividef(g, 1.f + __expf(-g)) * u);  // as qoq_silu_mul_quantize
+  }
+  __syncthreads();
+  sylvester_columns<RPL>(x, m);
   __syncthreads();
   // (S_a^T X) F, a thread per row (in place: a thread owns its rows).
   if (m > 1) {
@@ -279,27 +326,102 @@ __global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kerne
     }
     __syncthreads();
   }
-  const float inv_sqrt_a = rsqrtf(static_cast<float>(p.a));
-  float amax = 0.f;
-  for (int i = threadIdx.x; i < p.K; i += kRotateThreads) {
-    const float v = round_fp16(x[i] * inv_sqrt_a * p.signs[i]);
-    x[i] = v;
-    amax = fmaxf(amax, fabsf(v));
-  }
-  const TokenScale scale = token_scale(amax, scratch_f);  // (its barrier orders x too)
-  int sum = 0;
-  int8_t* out = p.xq + row * p.Kp;
-  for (int i = threadIdx.x * 4; i < p.Kp; i += kRotateThreads * 4) {  // Kp % 32 == 0: whole words
-    uint32_t packed = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int q = i + j < p.K ? token_code(x[i + j], scale.f) : 0;
-      sum += q;
-      packed |= (static_cast<uint32_t>(q) & 0xFFu) << (8 * j);
+  rotate_quantize_tail(p, x, rsqrtf(static_cast<float>(p.a)), row, scratch_f, scratch_i);
+}
+
+// The tensor-core form, for factors F = H / sqrt(m) of order 33..kRotateMaxBitsM, H +-1. The two
+// factors commute (S_a^T X F = S_a^T (X F)), so X F comes first: X is then the SiLU product itself,
+// which is exactly fp16 (rounded once, as qoq_silu_mul_quantize), and H is exactly +-1 in fp16, so
+// Z = X H on the fp16 tensor cores with fp32 accumulation is the product to fp32 summation order -
+// no operand split, no overflow (|z| <= m * 65504 fits fp32). Then S_a^T Z in fp32 as above, and the
+// scale 1 / sqrt(a m) with the signs.
+// Shared memory: X fp16 [a][pitch] (pitch = m rounded up to 16, plus 8: an odd number of 16-byte
+// pieces per row, so ldmatrix's eight row reads hit eight different bank groups; zero past m,
+// which also zeroes the k16 steps' reach past m), Z fp32 [a][m] (the row, index r m + c), the sign
+// bits [m][W].
+// Z = X H by warps, each taking blocks of 2 m16 row tiles x 4 n8 column tiles (32 fp32 accumulators):
+// per k16 step two ldmatrix.x4 (the A fragments of both row tiles), per column tile its B fragment
+// built from two 2-bit fields of one sign word (+-1 fp16 pairs: 0x3C00 with the sign bit set by the
+// bit), eight mma.m16n8k16. B is never stored as fp16: m^2 halves would not fit beside the row at
+// m = 344 (236 KB), the bits take m^2 / 8 bytes.
+constexpr int kMmaRowTiles = 2, kMmaColTiles = 4;
+
+__host__ __device__ constexpr int rotate_pitch(int m) { return ((m + 15) & ~15) + 8; }
+__host__ __device__ constexpr int rotate_words(int m) { return (m + 31) / 32; }
+__host__ __device__ constexpr int rotate_mma_smem(int a, int m) {
+  return a * rotate_pitch(m) * 2 + a * m * 4 + m * rotate_words(m) * 4;
+}
+
+// The B fragment of mma.m16n8k16 for column n = 8 nt + g and k = 16 ks + {2t, 2t+1} (b0) and
+// {2t+8, 2t+9} (b1): H[k, n] as fp16 +-1 pairs from the sign word holding k's bits.
+__device__ __forceinline__ void hadamard_fragment(uint32_t word, int ks, int t, uint32_t& b0, uint32_t& b1) {
+  const uint32_t lo = word >> (16 * (ks & 1) + 2 * t), hi = lo >> 8;  // bits 2t, 2t+1 and 2t+8, 2t+9 at the bottom
+  b0 = 0x3C003C00u | ((lo & 1u) << 15) | ((lo & 2u) << 30);
+  b1 = 0x3C003C00u | ((hi & 1u) << 15) | ((hi & 2u) << 30);
+}
+
+template <int RPL>
+__global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_mma_kernel(const RotateParams p) {
+  extern __shared__ __align__(16) uint8_t rotate_mma_smem_bytes[];
+  __shared__ float scratch_f[32];
+  __shared__ int scratch_i[32];
+  pdl_launch_dependents();
+  const int m = p.m, a = p.a, pitch = rotate_pitch(m), words = rotate_words(m);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, g = lane / 4, t = lane % 4;
+  __half* xh = reinterpret_cast<__half*>(rotate_mma_smem_bytes);
+  float* z = reinterpret_cast<float*>(rotate_mma_smem_bytes + a * pitch * 2);
+  uint32_t* bits = reinterpret_cast<uint32_t*>(rotate_mma_smem_bytes + a * pitch * 2 + a * m * 4);
+  const size_t row = blockIdx.x;
+  for (int i = threadIdx.x; i < m * words; i += kRotateThreads) bits[i] = p.hbits[i];
+  // X: a warp per row r (the token's values r m .. r m + m - 1), zeros from m to the pitch.
+  for (int r = warp; r < a; r += kRotateThreads / kWarp) {
+    const size_t at = row * p.K + static_cast<size_t>(r) * m;
+    for (int c = lane; c < pitch; c += kWarp) {
+      float v = 0.f;
+      if (c < m) {
+        const float gv = __half2float(p.gate[at + c]), uv = __half2float(p.up[at + c]);
+        v = __fdividef(gv, 1.f + __expf(-gv)) * uv;  // as qoq_silu_mul_quantize
+      }
+      xh[r * pitch + c] = __float2half_rn(v);
     }
-    *reinterpret_cast<uint32_t*>(out + i) = packed;
   }
-  store_token(sum, scale.h, scratch_i, p.xs, p.rowsum, row);
+  __syncthreads();
+  const int row_tiles = a / 16, col_tiles = (m + 7) / 8, k_steps = (m + 15) / 16;
+  const int row_blocks = row_tiles / kMmaRowTiles, col_blocks = (col_tiles + kMmaColTiles - 1) / kMmaColTiles;
+  // ldmatrix rows: lane l gives row l % 16 of the tile, k + 8 (l / 16) (matrices: rows 0-7 / 8-15 x
+  // k 0-7 / 8-15, i.e. the A fragment's a0a1, a2a3, a4a5, a6a7).
+  const uint32_t a_lane = smem_u32(xh) + ((lane % 16) * pitch + (lane / 16) * 8) * 2;
+  for (int blk = warp; blk < row_blocks * col_blocks; blk += kRotateThreads / kWarp) {
+    const int rt0 = (blk / col_blocks) * kMmaRowTiles, ct0 = (blk % col_blocks) * kMmaColTiles;
+    float acc[kMmaRowTiles][kMmaColTiles][4] = {};
+    for (int ks = 0; ks < k_steps; ++ks) {
+      uint32_t afrag[kMmaRowTiles][4];
+#pragma unroll
+      for (int i = 0; i < kMmaRowTiles; ++i) ldmatrix_x4(afrag[i], a_lane + ((rt0 + i) * 16 * pitch + ks * 16) * 2);
+#pragma unroll
+      for (int j = 0; j < kMmaColTiles; ++j) {
+        const int n = (ct0 + j) * 8 + g;  // columns past m: any B (their outputs are dropped)
+        uint32_t b0, b1;
+        hadamard_fragment(n < m ? bits[n * words + ks / 2] : 0u, ks, t, b0, b1);
+#pragma unroll
+        for (int i = 0; i < kMmaRowTiles; ++i) mma_f16_16816(acc[i][j], afrag[i], b0, b1);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kMmaRowTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < kMmaColTiles; ++j) {
+        const int r = (rt0 + i) * 16 + g, n = (ct0 + j) * 8 + 2 * t;  // C: rows g, g + 8; columns 2t, 2t + 1
+        if (n < m) {  // (m even: both columns or neither)
+          *reinterpret_cast<float2*>(z + r * m + n) = make_float2(acc[i][j][0], acc[i][j][1]);
+          *reinterpret_cast<float2*>(z + (r + 8) * m + n) = make_float2(acc[i][j][2], acc[i][j][3]);
+        }
+      }
+  }
+  __syncthreads();
+  sylvester_columns<RPL>(z, m);
+  __syncthreads();
+  rotate_quantize_tail(p, z, rsqrtf(static_cast<float>(a)) * rsqrtf(static_cast<float>(m)), row, scratch_f, scratch_i);
 }
 
 template <int RPL, int MMAX>
@@ -311,17 +433,32 @@ cudaError_t launch_rotate(const RotateParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int MMAX>
-cudaError_t launch_rotate_rows(const RotateParams& p, cudaStream_t stream) {
-  switch (p.a / kWarp) {  // rows per lane of a column's warp
-    case 1: return launch_rotate<1, MMAX>(p, stream);
-    case 2: return launch_rotate<2, MMAX>(p, stream);
-    case 4: return launch_rotate<4, MMAX>(p, stream);
-    case 8: return launch_rotate<8, MMAX>(p, stream);
-    case 16: return launch_rotate<16, MMAX>(p, stream);
-    case 32: return launch_rotate<32, MMAX>(p, stream);
+template <int RPL>
+cudaError_t launch_rotate_mma(const RotateParams& p, cudaStream_t stream) {
+  const int smem = rotate_mma_smem(p.a, p.m);
+  const auto kernel = silu_mul_rotate_quantize_mma_kernel<RPL>;
+  QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<p.M, kRotateThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// launch(std::integral_constant<int, RPL>) for the rows per lane of a column's warp, RPL = a / 32.
+template <class LAUNCH>
+cudaError_t launch_by_rows(int a, LAUNCH&& launch) {
+  switch (a / kWarp) {
+    case 1: return launch(std::integral_constant<int, 1>{});
+    case 2: return launch(std::integral_constant<int, 2>{});
+    case 4: return launch(std::integral_constant<int, 4>{});
+    case 8: return launch(std::integral_constant<int, 8>{});
+    case 16: return launch(std::integral_constant<int, 16>{});
+    case 32: return launch(std::integral_constant<int, 32>{});
   }
   return cudaErrorInvalidValue;
+}
+
+// K = a m with a a power of two from 32 to 1024.
+inline bool rotate_shape_ok(int K, int Kp, int a, int m) {
+  return a >= 32 && a <= 1024 && !(a & (a - 1)) && m >= 1 && a * m == K && Kp % 32 == 0 && Kp >= K;
 }
 
 }  // namespace qoq::fused
@@ -333,12 +470,29 @@ using qoq::fused::Op;
 extern "C" int qoq_silu_mul_rotate_quantize(const __half* gate, const __half* up, const float* factor, const float* signs,
                                             int M, int K, int Kp, int a, int m, int8_t* xq, __half* xs,
                                             int32_t* rowsum, cudaStream_t stream) {
+  using namespace qoq::fused;
   if (M <= 0) return cudaSuccess;
-  if (a < 32 || a > 1024 || (a & (a - 1)) || m < 1 || m > qoq::fused::kRotateMaxM || a * m != K || Kp % 32 ||
-      Kp < K)
+  if (!rotate_shape_ok(K, Kp, a, m) || m > kRotateMaxM) return cudaErrorInvalidValue;
+  const RotateParams p{gate, up, factor, nullptr, signs, M, K, Kp, a, m, xq, xs, rowsum};
+  return launch_by_rows(a, [&](auto rpl) {
+    return m <= 16 ? launch_rotate<decltype(rpl)::value, 16>(p, stream) : launch_rotate<decltype(rpl)::value, 32>(p, stream);
+  });
+}
+
+// The same with the second factor H / sqrt(m), H +-1 of order 33..kRotateMaxBitsM given as sign
+// bits (hbits [m][ceil(m / 32)] uint32: bit k % 32 of word [n][k / 32] set <=> H[k, n] = -1), on
+// the tensor cores; m even, a a multiple of 32 row tiles' worth (a >= 32), the shared memory of
+// rotate_mma_smem(a, m) within the device's limit (cudaErrorInvalidValue otherwise).
+extern "C" int qoq_silu_mul_rotate_quantize_bits(const __half* gate, const __half* up, const uint32_t* hbits,
+                                                 const float* signs, int M, int K, int Kp, int a, int m, int8_t* xq,
+                                                 __half* xs, int32_t* rowsum, cudaStream_t stream) {
+  using namespace qoq::fused;
+  if (M <= 0) return cudaSuccess;
+  if (!rotate_shape_ok(K, Kp, a, m) || m <= kRotateMaxM || m > kRotateMaxBitsM || m % 2 ||
+      rotate_mma_smem(a, m) > kRotateMaxSmem)
     return cudaErrorInvalidValue;
-  const qoq::fused::RotateParams p{gate, up, factor, signs, M, K, Kp, a, m, xq, xs, rowsum};
-  return m <= 16 ? qoq::fused::launch_rotate_rows<16>(p, stream) : qoq::fused::launch_rotate_rows<32>(p, stream);
+  const RotateParams p{gate, up, nullptr, hbits, signs, M, K, Kp, a, m, xq, xs, rowsum};
+  return launch_by_rows(a, [&](auto rpl) { return launch_rotate_mma<decltype(rpl)::value>(p, stream); });
 }
 
 extern "C" int qoq_quantize_per_token(const __half* x, int M, int K, int Kp, int8_t* xq, __half* xs, int32_t* rowsum,

@@ -104,6 +104,30 @@ def test_silu_mul_rotate_quantize_matches_the_unfused_rotation(m, k, kp):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,k,kp", [(1, 11008, 11008), (16, 11008, 11008), (64, 11008, 11008), (3, 18944, 18944),
+                                    (5, 4864, 4864), (2, 27648, 27648), (7, 5632, 5632), (4, 8960, 9088)])
+def test_silu_mul_rotate_quantize_bits_matches_the_unfused_rotation(m, k, kp):
+    """The tensor-core form for large second factors, F = H / sqrt(m) with H's sign bits:
+    Llama-2's 11008 = 32 x 344, Qwen2.5's 18944 = 128 x 148, 4864 = 64 x 76, 27648 = 256 x 108,
+    8960 = 64 x 140 (K padded), TinyLlama's 5632 = 128 x 44 - the codes of the unfused rotation, to
+    rounding; and runtime.fusion picks this op for them."""
+    from qoqtool.runtime import fusion
+    from qoqtool.runtime.mlp import KroneckerRotation
+
+    gate, up = random_rows(m, k, 1), random_rows(m, k, 2)
+    rotation = KroneckerRotation(k, seed=7).cuda()
+    a, factor = rotation.fused_form()
+    assert factor.shape[0] > cuda_ops.ROTATE_MAX_M
+    product = (torch.nn.functional.silu(gate.float()) * up.float()).half()
+    y = rotation(product)
+    got = torch.ops.qoqtool.silu_mul_rotate_quantize_bits(gate, up, rotation.factor_bits, rotation.signs, a, kp)
+    check_against_reference(got, y, kp, exact=False)
+    op, sylvester, operand = fusion._fused_rotation(rotation)
+    assert op is torch.ops.qoqtool.silu_mul_rotate_quantize_bits and sylvester == a and operand is rotation.factor_bits
+
+
+@gpu
+@pytest.mark.gpu
 def test_quantize_under_cuda_graph():
     x = random_rows(16, 4096)
     op = torch.ops.qoqtool.quantize_per_token
@@ -137,6 +161,37 @@ def test_rotation_validation_rejects_bad_forms_on_the_cpu():
     wide = torch.zeros(1, 2048, dtype=torch.float16)  # 2048 = 2048 x 1: the Sylvester order is past 1024
     with pytest.raises(ValueError, match="a power of two from 32 to 1024"):
         cuda_ops.silu_mul_rotate_quantize(wide, wide, torch.ones(1, 1), torch.ones(2048), 2048, 2048)
+
+
+def test_rotation_bits_validation_rejects_bad_forms_on_the_cpu():
+    """The tensor-core form: m even, 34..512, K = a m, within the shared memory; int32 bits of
+    shape [m, ceil(m / 32)]."""
+    def bits(m):
+        return cuda_ops.hadamard_sign_bits(torch.ones(m, m))
+
+    cases = [  # (K, a, m, bits) -> message (None: valid, refused only for being on the CPU)
+        (11008, 32, 344, bits(344), None),
+        (32 * 28, 32, 28, bits(28), "m even from 34"),  # the fp32 factor's order: the other op
+        (32 * 342, 64, 171, bits(171), "m even"),  # odd
+        (32 * 516, 32, 516, bits(516), "to 512"),  # past the largest order
+        (11008, 32, 344, bits(344)[:, :10], r"bits must have shape \[344, 11\]"),
+        (11008, 32, 344, bits(344).long(), "bits must be int32"),
+    ]
+    for k, a, m, b, message in cases:
+        gate = torch.zeros(1, k, dtype=torch.float16)
+        with pytest.raises(ValueError, match=message or "CUDA"):
+            cuda_ops.silu_mul_rotate_quantize_bits(gate, gate, b, torch.ones(k), a, k)
+
+
+def test_hadamard_sign_bits_round_trip():
+    """bit k % 32 of word [n, k // 32] is set exactly where H[k, n] < 0 (padding bits clear)."""
+    from qoqtool.transforms.hadamard import build_factor
+
+    for m, kind, q in [(344, "paley1", 343), (148, "paley2", 73), (44, "paley1", 43)]:
+        h = build_factor(m, kind, q) / m**0.5
+        words = cuda_ops.hadamard_sign_bits(h).long() & 0xFFFFFFFF
+        unpacked = ((words[:, :, None] >> torch.arange(32)) & 1).reshape(m, -1)
+        assert torch.equal(unpacked[:, :m].bool(), h.t() < 0) and not unpacked[:, m:].any()
 
 
 def test_validation_rejects_bad_input_on_the_cpu():

@@ -238,7 +238,7 @@ def test_key_centering_stores_the_mean_cached_key_and_shrinks_kv4_error():
 
 def test_kronecker_rotation_fused_form_is_the_rotation():
     """fused_form() = (a, F) with R = (H_a / sqrt(a)) (x) F diag(signs), H_a Sylvester's matrix:
-    the form the fused SiLU + rotation + quantization kernel applies (x R checked in float64; the kernel takes m <= 32);
+    the form the fused SiLU + rotation + quantization kernels apply (x R checked in float64);
     None where the rotation has a third factor (3808 = 2 x 28 x 68)."""
     from qoqtool.runtime.mlp import KroneckerRotation
     from qoqtool.transforms.hadamard import _sylvester, random_hadamard
@@ -252,7 +252,7 @@ def test_kronecker_rotation_fused_form_is_the_rotation():
         assert torch.allclose(y, x @ random_hadamard(n, 3), atol=1e-5)
     assert KroneckerRotation(3808, seed=0).fused_form() is None
     assert KroneckerRotation(11008, seed=0, version=1).fused_form() is None  # 2 x 5504: the Paley factor by FFT
-    assert KroneckerRotation(11008, seed=0).fused_form()[0] == 32  # 32 x 344 (the kernel takes m <= 32: not fused)
+    assert KroneckerRotation(11008, seed=0).fused_form()[0] == 32  # 32 x 344: the tensor-core kernel's
 
 
 @pytest.mark.parametrize("q,kind", [(5, "paley2"), (13, "paley2"), (461, "paley2"), (3, "paley1"), (19, "paley1"),

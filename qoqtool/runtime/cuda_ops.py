@@ -16,6 +16,8 @@ forward pass that uses them.
     qoqtool::silu_mul_quantize      silu(gate) * up, then the same
     qoqtool::silu_mul_rotate_quantize
                                     silu(gate) * up, rotated by the online down_proj rotation, then the same
+    qoqtool::silu_mul_rotate_quantize_bits
+                                    the same for a rotation's large second factor (tensor cores)
 
 The kernels (kernels/*.cu) have a plain C ABI and are called through ctypes on the current
 stream, so the ops work under CUDA-graph capture. Every op checks dtypes, shapes, devices,
@@ -82,13 +84,16 @@ _SIGNATURES = {
     "qoq_silu_mul_quantize": [_P, _P, _I, _I, _I, _P, _P, _P, _P],
     # gate, up, factor, signs, M, K, Kp, a, m, x_q, x_scale, x_rowsum, stream
     "qoq_silu_mul_rotate_quantize": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P],
+    # gate, up, sign bits, signs, M, K, Kp, a, m, x_q, x_scale, x_rowsum, stream
+    "qoq_silu_mul_rotate_quantize_bits": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P],
 }
 
 
 # Entry points that libraries built before they existed lack (benchmarks/library_ab.py times
 # such builds through this module): the ops fall back to what those libraries have.
 _NEWER_ENTRIES = {"qoq_w4a8_gemm_per_group_rowsum",  # 2026-12-02: its absence means the x_rowsum-free call
-                  "qoq_silu_mul_rotate_quantize"}  # 2026-12-06
+                  "qoq_silu_mul_rotate_quantize",  # 2026-12-06
+                  "qoq_silu_mul_rotate_quantize_bits"}  # 2026-12-06
 
 
 @functools.lru_cache(maxsize=None)
@@ -830,14 +835,35 @@ def _(gate, up, k_padded):
 
 
 # The rotation the fused kernel applies: R = (Sylvester(a) / sqrt(a)) (x) F diag(signs), a in
-# ROTATE_SYLVESTER (a warp's column of a values, kernels/fused_ops.cu), F at most ROTATE_MAX_M.
-ROTATE_SYLVESTER, ROTATE_MAX_M = (32, 1024), 32
+# ROTATE_SYLVESTER (a warp's column of a values, kernels/fused_ops.cu), F of order at most
+# ROTATE_MAX_M as an fp32 matrix (CUDA cores), or F = H / sqrt(m) of an even order up to
+# ROTATE_MAX_BITS_M with H given as sign bits (tensor cores; its shared memory, rotate_bits_smem,
+# at most ROTATE_MAX_SMEM).
+ROTATE_SYLVESTER, ROTATE_MAX_M, ROTATE_MAX_BITS_M, ROTATE_MAX_SMEM = (32, 1024), 32, 512, 227 * 1024
 
 
-def has_fused_rotation() -> bool:
-    """Whether the loaded library has the fused rotation: builds before 2026-12-06 (timed through
-    benchmarks/library_ab.py) lack it, and runtime.fusion then rotates unfused."""
-    return hasattr(_lib(), "qoq_silu_mul_rotate_quantize")
+def rotate_bits_smem(sylvester: int, order: int) -> int:
+    """Shared memory of the tensor-core rotation (kernels/fused_ops.cu, rotate_mma_smem): the row
+    as fp16 [a][m rounded up to 16, + 8] and as fp32 [a][m], the sign bits [m][ceil(m / 32)]."""
+    return sylvester * (((order + 15) & ~15) + 8) * 2 + sylvester * order * 4 + order * ((order + 31) // 32) * 4
+
+
+def hadamard_sign_bits(h: Tensor) -> Tensor:
+    """The sign bits of a +-1 (or scaled +-1) matrix H [m, m] as silu_mul_rotate_quantize_bits
+    takes them: int32 [m, ceil(m / 32)], bit k % 32 of word [n, k // 32] set where H[k, n] < 0."""
+    m = h.shape[0]
+    words = (m + 31) // 32
+    neg = torch.zeros(m, words * 32, dtype=torch.int64)
+    neg[:, :m] = (h.t() < 0).to(torch.int64).cpu()
+    packed = (neg.reshape(m, words, 32) << torch.arange(32)).sum(-1)  # < 2^32
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).to(h.device)
+
+
+def has_fused_rotation(bits: bool = False) -> bool:
+    """Whether the loaded library has the fused rotation (`bits`: its tensor-core form, 22:30 UTC
+    that day): builds before 2026-12-06 (timed through benchmarks/library_ab.py) lack it, and
+    runtime.fusion then rotates unfused."""
+    return hasattr(_lib(), "qoq_silu_mul_rotate_quantize_bits" if bits else "qoq_silu_mul_rotate_quantize")
 
 
 @torch.library.custom_op("qoqtool::silu_mul_rotate_quantize", mutates_args=())
@@ -867,6 +893,36 @@ def silu_mul_rotate_quantize(gate: Tensor, up: Tensor, factor: Tensor, signs: Te
 
 @silu_mul_rotate_quantize.register_fake
 def _(gate, up, factor, signs, sylvester, k_padded):
+    return _quantize_fake(gate, k_padded)
+
+
+@torch.library.custom_op("qoqtool::silu_mul_rotate_quantize_bits", mutates_args=())
+def silu_mul_rotate_quantize_bits(gate: Tensor, up: Tensor, bits: Tensor, signs: Tensor, sylvester: int,
+                                  k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
+    """silu_mul_rotate_quantize with the second factor H / sqrt(m), H a +-1 matrix of an even order
+    m = 34..ROTATE_MAX_BITS_M given as `bits` (hadamard_sign_bits(H), int32 [m, ceil(m / 32)]), on
+    the tensor cores: Llama-2's 11008 = 32 x 344, Qwen2.5's 18944 = 128 x 148."""
+    m, k = check_quantize(gate, k_padded, "gate")
+    _expect("up", up, torch.float16, (m, k))
+    order = bits.shape[0] if bits.dim() == 2 else 0
+    _expect("bits", bits, torch.int32, (order, (order + 31) // 32))
+    _expect("signs", signs, torch.float32, (k,))
+    low, high = ROTATE_SYLVESTER
+    if (not low <= sylvester <= high or sylvester & (sylvester - 1) or not ROTATE_MAX_M < order <= ROTATE_MAX_BITS_M
+            or order % 2 or sylvester * order != k or rotate_bits_smem(sylvester, order) > ROTATE_MAX_SMEM):
+        raise ValueError(f"the fused tensor-core rotation needs K = a * m with a a power of two from {low} to {high}, "
+                         f"m even from {ROTATE_MAX_M + 2} to {ROTATE_MAX_BITS_M} and at most {ROTATE_MAX_SMEM} bytes of "
+                         f"shared memory: got K = {k}, a = {sylvester}, m = {order}")
+    _expect_device(gate=gate, up=up, bits=bits, signs=signs)
+    outs = _quantize_outputs(m, k_padded, gate.device)
+    if m:
+        _call("qoq_silu_mul_rotate_quantize_bits", kl.ptr(gate), kl.ptr(up), kl.ptr(bits), kl.ptr(signs), m, k,
+              k_padded, sylvester, order, *map(kl.ptr, outs), kl.stream_of(gate))
+    return outs
+
+
+@silu_mul_rotate_quantize_bits.register_fake
+def _(gate, up, bits, signs, sylvester, k_padded):
     return _quantize_fake(gate, k_padded)
 
 

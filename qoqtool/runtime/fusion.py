@@ -116,9 +116,11 @@ def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
         if rotation is None or form is not None:
             g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))  # (halves of a merged GEMM: copied)
             g, u = (t.clone() if t.data_ptr() % 16 else t for t in (g, u))
-            quantized = (torch.ops.qoqtool.silu_mul_quantize(g, u, down.k_padded) if form is None else
-                         torch.ops.qoqtool.silu_mul_rotate_quantize(g, u, form[1], rotation.signs, form[0],
-                                                                    down.k_padded))
+            if form is None:
+                quantized = torch.ops.qoqtool.silu_mul_quantize(g, u, down.k_padded)
+            else:
+                op, sylvester, factor = form
+                quantized = op(g, u, factor, rotation.signs, sylvester, down.k_padded)
             return down(gate, quantized=quantized)
     x = mlp.act_fn(gate) * up
     if rotation is not None:
@@ -127,14 +129,20 @@ def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
 
 
 def _fused_rotation(rotation):
-    """rotation.fused_form() when the fused kernel takes it (a Sylvester order within
-    cuda_ops.ROTATE_SYLVESTER, a second factor of at most ROTATE_MAX_M, a library that has it), else None."""
+    """(op, a, factor) when a fused kernel takes rotation.fused_form() - a Sylvester order within
+    cuda_ops.ROTATE_SYLVESTER and a second factor of at most ROTATE_MAX_M (the fp32 factor, CUDA
+    cores) or, even, up to ROTATE_MAX_BITS_M within the shared memory (its sign bits, tensor cores),
+    in a library that has the kernel - else None."""
     from qoqtool.runtime import cuda_ops
 
-    if not ROTATE or not cuda_ops.has_fused_rotation():
-        return None
-    form = rotation.fused_form()
+    form = rotation.fused_form() if ROTATE else None
     low, high = cuda_ops.ROTATE_SYLVESTER
-    if form is None or form[1].shape[0] > cuda_ops.ROTATE_MAX_M or not low <= form[0] <= high:
+    if form is None or not low <= form[0] <= high:
         return None
-    return form
+    sylvester, order = form[0], form[1].shape[0]
+    if order <= cuda_ops.ROTATE_MAX_M:
+        return (torch.ops.qoqtool.silu_mul_rotate_quantize, *form) if cuda_ops.has_fused_rotation() else None
+    if (order <= cuda_ops.ROTATE_MAX_BITS_M and order % 2 == 0 and cuda_ops.has_fused_rotation(bits=True)
+            and cuda_ops.rotate_bits_smem(sylvester, order) <= cuda_ops.ROTATE_MAX_SMEM):
+        return torch.ops.qoqtool.silu_mul_rotate_quantize_bits, sylvester, rotation.factor_bits
+    return None

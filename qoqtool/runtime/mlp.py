@@ -15,9 +15,10 @@ A Paley factor (over a prime field) of order above FFT_ABOVE (1024) is applied b
 it is a bordered circulant (hadamard.paley_character), so X times it is a circular convolution,
 O(m log m) per column and no m x m buffer - folders made with version 1 of the Hadamard
 constructions rotate Llama-2's 11008 as 2 x 5504, which would otherwise cost 5504 multiply-adds
-per value and a 121 MB factor in every layer (version 2, the default since 2026-12-07, builds
-it as 32 x 344). On CUDA the default recipe's rotation (Sylvester times a factor of at most 32)
-runs inside the quantization kernel instead (runtime.fusion).
+per value and a 121 MB factor in every layer (version 2, the default since 2026-12-06, builds
+it as 32 x 344). On CUDA a rotation of Sylvester's factor times one more (of order at most 32 as
+an fp32 matrix, or even up to 512 as sign bits on the tensor cores: `factor_bits`) runs inside
+the quantization kernel instead (runtime.fusion).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from qoqtool.recipe import saved_step
+from qoqtool.runtime.cuda_ops import hadamard_sign_bits
 from qoqtool.transforms.hadamard import build_factor, constructions, is_prime, paley_character, random_signs
 
 ROTATION = "qoq_down_rotation"  # the MLP's submodule
@@ -59,6 +61,8 @@ class KroneckerRotation(nn.Module):
             else:
                 self.register_buffer(f"factor{i}", (build_factor(m, kind, q) / m**0.5).float(), persistent=False)
         self.register_buffer("signs", random_signs(n, seed).float(), persistent=False)
+        if len(self.shapes) == 2 and not self.paley and self.shapes[1] > 1:  # the fused kernel's form of F
+            self.register_buffer("factor_bits", hadamard_sign_bits(self.factor1), persistent=False)
 
     def _apply(self, fn, recurse=True):
         # A model cast to half keeps its rotation in float32 (see the class docstring): only
@@ -72,7 +76,9 @@ class KroneckerRotation(nn.Module):
     def fused_form(self) -> tuple[int, torch.Tensor] | None:
         """(a, F): the rotation as (H_a / sqrt(a)) (x) F diag(signs) with H_a Sylvester's matrix
         (hadamard.factors puts it first) and F the second factor (1 x 1 if there is none), the
-        form qoqtool::silu_mul_rotate_quantize applies; None for a third factor or one applied by FFT."""
+        form qoqtool::silu_mul_rotate_quantize applies (F = H / sqrt(m) with H +-1: its sign bits
+        are `factor_bits`, the form of qoqtool::silu_mul_rotate_quantize_bits); None for a third
+        factor or one applied by FFT."""
         if len(self.shapes) > 2 or self.paley:
             return None
         second = self.factor1 if len(self.shapes) == 2 else self.signs.new_ones(1, 1)
