@@ -102,7 +102,9 @@ def load_recipe(name_or_path: str) -> Recipe:
     return recipe_from_dict(data, str(path))
 
 
-def recipe_from_dict(data: dict, origin: str = "<dict>") -> Recipe:
+def recipe_from_dict(data: dict, origin: str = "<dict>", check_params: bool = True) -> Recipe:
+    """A Recipe from its mapping (YAML or a manifest's), every step's parameters checked unless
+    `check_params` is off (a saved recipe may name a parameter this qoqtool no longer has)."""
     from qoqtool.calibration.steps import STEPS, step_params  # the registry of step names
 
     if not isinstance(data, dict) or "name" not in data or "weights" not in data:
@@ -132,7 +134,8 @@ def recipe_from_dict(data: dict, origin: str = "<dict>") -> Recipe:
         if name not in STEPS:
             raise UserError(f"recipe {origin}: unknown step {name!r}; known steps: {', '.join(STEPS)}")
         try:
-            step_params(name, dict(params or {}))  # unknown or bad parameters fail here, before any work
+            if check_params:
+                step_params(name, dict(params or {}))  # unknown or bad parameters fail here, before any work
         except UserError as err:
             raise UserError(f"recipe {origin}: {err}") from None
         except (TypeError, ValueError) as err:

@@ -167,7 +167,7 @@ def _choose_outliers(src: Path, manifest: dict, weights: dict, stats: dict, budg
     from qoqtool.quantizers.outliers import outliers_after_the_fact
     from qoqtool.recipe import recipe_from_dict
 
-    recipe = recipe_from_dict(manifest["recipe"])
+    recipe = recipe_from_dict(manifest["recipe"], check_params=False)  # (only its steps' phases are read)
     refit = not any(STEPS[s.name].phase == "solver" for s in recipe.steps)
     from_source = quantized.FLOAT_WEIGHTS_FILE not in manifest["files"] and all(
         STEPS[s.name].phase == "solver" for s in recipe.steps)
