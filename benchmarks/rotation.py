@@ -4,6 +4,7 @@ its large Paley factors applied by FFT against the same factor as a dense fp32 m
     python benchmarks/rotation.py                       # this machine's CPU
     python benchmarks/rotation.py --device cuda --json rotation.json
     python benchmarks/rotation.py --hadamard 1          # version 1 of the constructions (2 x 5504 for 11008)
+    python benchmarks/rotation.py --device cuda --fused # and the fused SiLU + rotation + quantization kernels
 
 For each intermediate size (the Kronecker factors the rotation uses are printed) and batch of
 tokens: the time of one rotation of [batch, n] fp16 values, median of --repeat calls after a
@@ -14,7 +15,11 @@ dense, their ratio, the
 largest difference between the two (relative to the largest output value), and the bytes of
 the rotation's buffers (per layer: every MLP holds its own). --hadamard picks the version of
 the Hadamard constructions (qoqtool.transforms.hadamard; 2, the default, builds Llama-2's 11008
-as 32 x 344, so nothing there goes by FFT; 1 as 2 x 5504).
+as 32 x 344, so nothing there goes by FFT; 1 as 2 x 5504). --fused (CUDA) also times what a
+decode step runs between gate/up and down_proj: the unfused chain (SiLU product, this rotation,
+qoqtool::quantize_per_token) and the fused kernels - on the CUDA cores with the fp32 factor
+(second factor of order <= 32) and on the tensor cores with its sign bits (even order) - whichever
+take the size (runtime.fusion.BITS_ABOVE picks between them).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from qoqtool.runtime import mlp
 
-SIZES = {"llama2-7b": 11008, "qwen2.5-32b": 29568, "llama3-8b": 14336, "qwen2.5-7b": 18944}
+SIZES = {"llama2-7b": 11008, "qwen2.5-32b": 29568, "llama3-8b": 14336, "qwen2.5-7b": 18944, "smollm2-135m": 1536}
 
 
 def buffer_bytes(module: torch.nn.Module) -> int:
@@ -55,6 +60,28 @@ def time_call(fn, device: str, repeat: int) -> float:
     return statistics.median(times)
 
 
+def fused_times(rotation, x: torch.Tensor, repeat: int) -> dict:
+    """Milliseconds of silu(x) * x, rotated and quantized: the unfused chain and each fused kernel
+    that takes this rotation (gate = up = x; the work does not depend on the values)."""
+    from qoqtool.runtime import cuda_ops
+
+    n = x.shape[1]
+    out = {"unfused_ms": time_call(lambda: torch.ops.qoqtool.quantize_per_token(
+        rotation(torch.nn.functional.silu(x) * x).contiguous(), n), "cuda", repeat)}
+    form = rotation.fused_form()
+    if form is None or not cuda_ops.ROTATE_SYLVESTER[0] <= form[0] <= cuda_ops.ROTATE_SYLVESTER[1]:
+        return out
+    a, factor = form
+    order = factor.shape[0]
+    if order <= cuda_ops.ROTATE_MAX_M:
+        out["fused_cuda_cores_ms"] = time_call(lambda: torch.ops.qoqtool.silu_mul_rotate_quantize(
+            x, x, factor, rotation.signs, a, n), "cuda", repeat)
+    if order % 2 == 0 and order <= cuda_ops.ROTATE_MAX_BITS_M and cuda_ops.rotate_bits_smem(a, order) <= cuda_ops.ROTATE_MAX_SMEM:
+        out["fused_tensor_cores_ms"] = time_call(lambda: torch.ops.qoqtool.silu_mul_rotate_quantize_bits(
+            x, x, rotation.factor_bits, rotation.signs, a, n), "cuda", repeat)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -62,6 +89,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--hadamard", type=int, default=2, choices=(1, 2), help="version of the Hadamard constructions")
+    ap.add_argument("--fused", action="store_true", help="(CUDA) also the unfused chain and the fused kernels")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device, results = args.device, []
@@ -90,7 +118,14 @@ def main() -> None:
                   f"{t_dense:>9.3f} | {t_dense / t_fft:>14.2f}x | {diff:>8.1e} | {sizes:>24}")
             results.append({"shape": shape, "n": n, "hadamard": args.hadamard, "factors": fft.shapes, "fft_factor": bool(fft.paley), "batch": batch,
                             "default_ms": t_fft, "dense_ms": t_dense, "max_rel_diff": diff,
-                            "buffer_bytes_default": buffer_bytes(fft), "buffer_bytes_dense": buffer_bytes(dense)})
+                            "buffer_bytes_default": buffer_bytes(fft), "buffer_bytes_dense": buffer_bytes(dense),
+                            **(fused_times(fft, x, args.repeat) if args.fused and device == "cuda" else {})})
+            if "unfused_ms" in results[-1]:
+                r = results[-1]
+                print(f"{'':>12}   SiLU + rotation + quantization: unfused {r['unfused_ms']:.3f} ms; fused, CUDA cores "
+                      + (f"{r['fused_cuda_cores_ms']:.3f}" if "fused_cuda_cores_ms" in r else "-")
+                      + " ms; fused, tensor cores "
+                      + (f"{r['fused_tensor_cores_ms']:.3f}" if "fused_tensor_cores_ms" in r else "-") + " ms")
         del fft, dense
     if args.json:
         with open(args.json, "w") as f:

@@ -9,8 +9,8 @@
 //                            down_proj rotation (qoqtool.runtime.mlp.KroneckerRotation) of a
 //                            Kronecker form Sylvester(a) (x) F (a = 32..1024, m x m, m <= 32)
 //   qoq_silu_mul_rotate_quantize_bits
-//                            the same for F = H / sqrt(m), H a +-1 matrix of order 34..512 given
-//                            as sign bits, on the tensor cores
+//                            the same for F = H / sqrt(m), H a +-1 matrix of an even order up to
+//                            512 given as sign bits, on the tensor cores
 //
 // Semantics are those of qoqtool.quantizers.activations.quantize_per_token, to the bit:
 // scale = fp16(amax / 127) (at least 2^-24), codes = clamp(rint(x / scale), -127, 127) with
@@ -191,10 +191,10 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
 //  * X F, by the factor's order:
 //    - m <= kRotateMaxM (Llama-3 / Mistral 28, the demo 12): a thread per row on the CUDA cores,
 //      F in shared memory read as float4 (rows padded to 4 columns) - silu_mul_rotate_quantize_kernel;
-//    - m up to kRotateMaxBitsM (Llama-2's 344, Qwen2.5's 76-148, TinyLlama's 44), where a thread
-//      per row would need m accumulators and a x m^2 multiply-adds on one SM: on the tensor cores,
-//      F = H / sqrt(m) with H the +-1 Hadamard factor given as sign bits -
-//      silu_mul_rotate_quantize_mma_kernel, below;
+//    - m even up to kRotateMaxBitsM (Llama-2's 344, Qwen2.5's 76-148, TinyLlama's 44), where a
+//      thread per row would need m accumulators and a x m^2 multiply-adds on one SM: on the tensor
+//      cores, F = H / sqrt(m) with H the +-1 Hadamard factor given as sign bits -
+//      silu_mul_rotate_quantize_mma_kernel, below (runtime.fusion picks the form by m);
 // then fp16 (the unfused path casts the rotation back to the model's dtype) and the quantization of
 // row_quantize_kernel, to the same rules (rotate_quantize_tail). The sums run in another order than
 // the unfused path's GEMMs: codes may differ by one at rounding boundaries
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kerne
   rotate_quantize_tail(p, x, rsqrtf(static_cast<float>(p.a)), row, scratch_f, scratch_i);
 }
 
-// The tensor-core form, for factors F = H / sqrt(m) of order 33..kRotateMaxBitsM, H +-1. The two
+// The tensor-core form, for factors F = H / sqrt(m) of an even order up to kRotateMaxBitsM, H +-1. The two
 // factors commute (S_a^T X F = S_a^T (X F)), so X F comes first: X is then the SiLU product itself,
 // which is exactly fp16 (rounded once, as qoq_silu_mul_quantize), and H is exactly +-1 in fp16, so
 // Z = X H on the fp16 tensor cores with fp32 accumulation is the product to fp32 summation order -
@@ -479,16 +479,16 @@ extern "C" int qoq_silu_mul_rotate_quantize(const __half* gate, const __half* up
   });
 }
 
-// The same with the second factor H / sqrt(m), H +-1 of order 33..kRotateMaxBitsM given as sign
-// bits (hbits [m][ceil(m / 32)] uint32: bit k % 32 of word [n][k / 32] set <=> H[k, n] = -1), on
-// the tensor cores; m even, a a multiple of 32 row tiles' worth (a >= 32), the shared memory of
-// rotate_mma_smem(a, m) within the device's limit (cudaErrorInvalidValue otherwise).
+// The same with the second factor H / sqrt(m), H +-1 of an even order 2..kRotateMaxBitsM given as
+// sign bits (hbits [m][ceil(m / 32)] uint32: bit k % 32 of word [n][k / 32] set <=> H[k, n] = -1),
+// on the tensor cores; the shared memory of rotate_mma_smem(a, m) within the device's limit
+// (cudaErrorInvalidValue otherwise).
 extern "C" int qoq_silu_mul_rotate_quantize_bits(const __half* gate, const __half* up, const uint32_t* hbits,
                                                  const float* signs, int M, int K, int Kp, int a, int m, int8_t* xq,
                                                  __half* xs, int32_t* rowsum, cudaStream_t stream) {
   using namespace qoq::fused;
   if (M <= 0) return cudaSuccess;
-  if (!rotate_shape_ok(K, Kp, a, m) || m <= kRotateMaxM || m > kRotateMaxBitsM || m % 2 ||
+  if (!rotate_shape_ok(K, Kp, a, m) || m > kRotateMaxBitsM || m % 2 ||
       rotate_mma_smem(a, m) > kRotateMaxSmem)
     return cudaErrorInvalidValue;
   const RotateParams p{gate, up, nullptr, hbits, signs, M, K, Kp, a, m, xq, xs, rowsum};

@@ -105,25 +105,28 @@ def test_silu_mul_rotate_quantize_matches_the_unfused_rotation(m, k, kp):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,kp", [(1, 11008, 11008), (16, 11008, 11008), (64, 11008, 11008), (3, 18944, 18944),
-                                    (5, 4864, 4864), (2, 27648, 27648), (7, 5632, 5632), (4, 8960, 9088)])
+                                    (5, 4864, 4864), (2, 27648, 27648), (7, 5632, 5632), (4, 8960, 9088),
+                                    (1, 14336, 14336), (9, 1536, 1664)])
 def test_silu_mul_rotate_quantize_bits_matches_the_unfused_rotation(m, k, kp):
-    """The tensor-core form for large second factors, F = H / sqrt(m) with H's sign bits:
-    Llama-2's 11008 = 32 x 344, Qwen2.5's 18944 = 128 x 148, 4864 = 64 x 76, 27648 = 256 x 108,
-    8960 = 64 x 140 (K padded), TinyLlama's 5632 = 128 x 44 - the codes of the unfused rotation, to
-    rounding; and runtime.fusion picks this op for them."""
+    """The tensor-core form, F = H / sqrt(m) with H's sign bits: Llama-2's 11008 = 32 x 344,
+    Qwen2.5's 18944 = 128 x 148, 4864 = 64 x 76, 27648 = 256 x 108, 8960 = 64 x 140 (K padded),
+    TinyLlama's 5632 = 128 x 44, and the small factors the CUDA-core form also takes (Llama-3's
+    512 x 28, the demo's 128 x 12) - the codes of the unfused rotation, to rounding; and
+    runtime.fusion picks this op above BITS_ABOVE."""
     from qoqtool.runtime import fusion
     from qoqtool.runtime.mlp import KroneckerRotation
 
     gate, up = random_rows(m, k, 1), random_rows(m, k, 2)
     rotation = KroneckerRotation(k, seed=7).cuda()
     a, factor = rotation.fused_form()
-    assert factor.shape[0] > cuda_ops.ROTATE_MAX_M
     product = (torch.nn.functional.silu(gate.float()) * up.float()).half()
     y = rotation(product)
     got = torch.ops.qoqtool.silu_mul_rotate_quantize_bits(gate, up, rotation.factor_bits, rotation.signs, a, kp)
     check_against_reference(got, y, kp, exact=False)
     op, sylvester, operand = fusion._fused_rotation(rotation)
-    assert op is torch.ops.qoqtool.silu_mul_rotate_quantize_bits and sylvester == a and operand is rotation.factor_bits
+    bits = factor.shape[0] > fusion.BITS_ABOVE
+    assert sylvester == a and op is getattr(torch.ops.qoqtool, "silu_mul_rotate_quantize" + ("_bits" if bits else ""))
+    assert operand is (rotation.factor_bits if bits else factor)
 
 
 @gpu
@@ -164,14 +167,14 @@ def test_rotation_validation_rejects_bad_forms_on_the_cpu():
 
 
 def test_rotation_bits_validation_rejects_bad_forms_on_the_cpu():
-    """The tensor-core form: m even, 34..512, K = a m, within the shared memory; int32 bits of
+    """The tensor-core form: m even, 2..512, K = a m, within the shared memory; int32 bits of
     shape [m, ceil(m / 32)]."""
     def bits(m):
         return cuda_ops.hadamard_sign_bits(torch.ones(m, m))
 
     cases = [  # (K, a, m, bits) -> message (None: valid, refused only for being on the CPU)
         (11008, 32, 344, bits(344), None),
-        (32 * 28, 32, 28, bits(28), "m even from 34"),  # the fp32 factor's order: the other op
+        (32 * 28, 32, 28, bits(28), None),  # (runtime.fusion gives orders <= 32 to the fp32-factor op)
         (32 * 342, 64, 171, bits(171), "m even"),  # odd
         (32 * 516, 32, 516, bits(516), "to 512"),  # past the largest order
         (11008, 32, 344, bits(344)[:, :10], r"bits must have shape \[344, 11\]"),

@@ -900,18 +900,19 @@ def _(gate, up, factor, signs, sylvester, k_padded):
 def silu_mul_rotate_quantize_bits(gate: Tensor, up: Tensor, bits: Tensor, signs: Tensor, sylvester: int,
                                   k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
     """silu_mul_rotate_quantize with the second factor H / sqrt(m), H a +-1 matrix of an even order
-    m = 34..ROTATE_MAX_BITS_M given as `bits` (hadamard_sign_bits(H), int32 [m, ceil(m / 32)]), on
-    the tensor cores: Llama-2's 11008 = 32 x 344, Qwen2.5's 18944 = 128 x 148."""
+    m = 2..ROTATE_MAX_BITS_M given as `bits` (hadamard_sign_bits(H), int32 [m, ceil(m / 32)]), on
+    the tensor cores: Llama-2's 11008 = 32 x 344, Qwen2.5's 18944 = 128 x 148 (runtime.fusion
+    takes it above fusion.BITS_ABOVE)."""
     m, k = check_quantize(gate, k_padded, "gate")
     _expect("up", up, torch.float16, (m, k))
     order = bits.shape[0] if bits.dim() == 2 else 0
     _expect("bits", bits, torch.int32, (order, (order + 31) // 32))
     _expect("signs", signs, torch.float32, (k,))
     low, high = ROTATE_SYLVESTER
-    if (not low <= sylvester <= high or sylvester & (sylvester - 1) or not ROTATE_MAX_M < order <= ROTATE_MAX_BITS_M
+    if (not low <= sylvester <= high or sylvester & (sylvester - 1) or not 2 <= order <= ROTATE_MAX_BITS_M
             or order % 2 or sylvester * order != k or rotate_bits_smem(sylvester, order) > ROTATE_MAX_SMEM):
         raise ValueError(f"the fused tensor-core rotation needs K = a * m with a a power of two from {low} to {high}, "
-                         f"m even from {ROTATE_MAX_M + 2} to {ROTATE_MAX_BITS_M} and at most {ROTATE_MAX_SMEM} bytes of "
+                         f"m even from 2 to {ROTATE_MAX_BITS_M} and at most {ROTATE_MAX_SMEM} bytes of "
                          f"shared memory: got K = {k}, a = {sylvester}, m = {order}")
     _expect_device(gate=gate, up=up, bits=bits, signs=signs)
     outs = _quantize_outputs(m, k_padded, gate.device)

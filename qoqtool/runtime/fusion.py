@@ -128,11 +128,17 @@ def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
     return down(x)
 
 
+# Second factors of an order up to this go to the CUDA-core kernel (the fp32 factor), larger ones
+# to the tensor-core kernel (its sign bits). Measured on an H100 (benchmarks/rotation_forms.py):
+# with the tensor cores for Llama-3's 28 too, a decode step was 3-6% slower.
+BITS_ABOVE = 32
+
+
 def _fused_rotation(rotation):
     """(op, a, factor) when a fused kernel takes rotation.fused_form() - a Sylvester order within
-    cuda_ops.ROTATE_SYLVESTER and a second factor of at most ROTATE_MAX_M (the fp32 factor, CUDA
-    cores) or, even, up to ROTATE_MAX_BITS_M within the shared memory (its sign bits, tensor cores),
-    in a library that has the kernel - else None."""
+    cuda_ops.ROTATE_SYLVESTER and a second factor of at most BITS_ABOVE (<= ROTATE_MAX_M: the fp32
+    factor, CUDA cores) or, even, up to ROTATE_MAX_BITS_M within the shared memory (its sign bits,
+    tensor cores), in a library that has the kernel - else None."""
     from qoqtool.runtime import cuda_ops
 
     form = rotation.fused_form() if ROTATE else None
@@ -140,9 +146,9 @@ def _fused_rotation(rotation):
     if form is None or not low <= form[0] <= high:
         return None
     sylvester, order = form[0], form[1].shape[0]
-    if order <= cuda_ops.ROTATE_MAX_M:
-        return (torch.ops.qoqtool.silu_mul_rotate_quantize, *form) if cuda_ops.has_fused_rotation() else None
-    if (order <= cuda_ops.ROTATE_MAX_BITS_M and order % 2 == 0 and cuda_ops.has_fused_rotation(bits=True)
-            and cuda_ops.rotate_bits_smem(sylvester, order) <= cuda_ops.ROTATE_MAX_SMEM):
+    cuda_cores = order <= cuda_ops.ROTATE_MAX_M and cuda_ops.has_fused_rotation()
+    tensor_cores = (order % 2 == 0 and order <= cuda_ops.ROTATE_MAX_BITS_M and cuda_ops.has_fused_rotation(bits=True)
+                    and cuda_ops.rotate_bits_smem(sylvester, order) <= cuda_ops.ROTATE_MAX_SMEM)
+    if tensor_cores and (order > BITS_ABOVE or not cuda_cores):
         return torch.ops.qoqtool.silu_mul_rotate_quantize_bits, sylvester, rotation.factor_bits
-    return None
+    return (torch.ops.qoqtool.silu_mul_rotate_quantize, *form) if cuda_cores else None
