@@ -329,8 +329,8 @@ __global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kerne
   rotate_quantize_tail(p, x, rsqrtf(static_cast<float>(p.a)), row, scratch_f, scratch_i);
 }
 
-// The tensor-core form, for factors F = H / sqrt(m) of an even order up to kRotateMaxBitsM, H +-1. The two
-// factors commute (S_a^T X F = S_a^T (X F)), so X F comes first: X is then the SiLU product itself,
+// The tensor-core form, for factors F = H / sqrt(m) of an even order up to kRotateMaxBitsM, H +-1. The
+// two products may go in either order (S_a^T X F = S_a^T (X F)), so X F comes first: X is then the SiLU product itself,
 // which is exactly fp16 (rounded once, as qoq_silu_mul_quantize), and H is exactly +-1 in fp16, so
 // Z = X H on the fp16 tensor cores with fp32 accumulation is the product to fp32 summation order -
 // no operand split, no overflow (|z| <= m * 65504 fits fp32). Then S_a^T Z in fp32 as above, and the
