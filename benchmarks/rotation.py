@@ -69,14 +69,13 @@ def fused_times(rotation, x: torch.Tensor, repeat: int) -> dict:
     out = {"unfused_ms": time_call(lambda: torch.ops.qoqtool.quantize_per_token(
         rotation(torch.nn.functional.silu(x) * x).contiguous(), n), "cuda", repeat)}
     form = rotation.fused_form()
-    if form is None or not cuda_ops.ROTATE_SYLVESTER[0] <= form[0] <= cuda_ops.ROTATE_SYLVESTER[1]:
+    if form is None:
         return out
     a, factor = form
-    order = factor.shape[0]
-    if order <= cuda_ops.ROTATE_MAX_M:
+    if cuda_ops.rotation_form_fits(a, factor.shape[0], bits=False):
         out["fused_cuda_cores_ms"] = time_call(lambda: torch.ops.qoqtool.silu_mul_rotate_quantize(
             x, x, factor, rotation.signs, a, n), "cuda", repeat)
-    if order % 2 == 0 and order <= cuda_ops.ROTATE_MAX_BITS_M and cuda_ops.rotate_bits_smem(a, order) <= cuda_ops.ROTATE_MAX_SMEM:
+    if cuda_ops.rotation_form_fits(a, factor.shape[0], bits=True):
         out["fused_tensor_cores_ms"] = time_call(lambda: torch.ops.qoqtool.silu_mul_rotate_quantize_bits(
             x, x, rotation.factor_bits, rotation.signs, a, n), "cuda", repeat)
     return out

@@ -848,6 +848,19 @@ def rotate_bits_smem(sylvester: int, order: int) -> int:
     return sylvester * (((order + 15) & ~15) + 8) * 2 + sylvester * order * 4 + order * ((order + 31) // 32) * 4
 
 
+def rotation_form_fits(sylvester: int, order: int, bits: bool) -> bool:
+    """Whether a fused rotation kernel takes (H_a / sqrt(a)) (x) F with a = `sylvester` and F of
+    order m = `order`: a a power of two in ROTATE_SYLVESTER, and m at most ROTATE_MAX_M (the fp32
+    factor on the CUDA cores) or, `bits`, m even up to ROTATE_MAX_BITS_M within ROTATE_MAX_SMEM
+    (the sign bits on the tensor cores). The ops' checks and runtime.fusion's choice."""
+    low, high = ROTATE_SYLVESTER
+    if not low <= sylvester <= high or sylvester & (sylvester - 1):
+        return False
+    if not bits:
+        return 1 <= order <= ROTATE_MAX_M
+    return 2 <= order <= ROTATE_MAX_BITS_M and order % 2 == 0 and rotate_bits_smem(sylvester, order) <= ROTATE_MAX_SMEM
+
+
 def hadamard_sign_bits(h: Tensor) -> Tensor:
     """The sign bits of a +-1 (or scaled +-1) matrix H [m, m] as silu_mul_rotate_quantize_bits
     takes them: int32 [m, ceil(m / 32)], bit k % 32 of word [n, k // 32] set where H[k, n] < 0."""
@@ -879,8 +892,7 @@ def silu_mul_rotate_quantize(gate: Tensor, up: Tensor, factor: Tensor, signs: Te
     _expect("factor", factor, torch.float32, (order, order))
     _expect("signs", signs, torch.float32, (k,))
     low, high = ROTATE_SYLVESTER
-    if (not low <= sylvester <= high or sylvester & (sylvester - 1) or not 1 <= order <= ROTATE_MAX_M
-            or sylvester * order != k):
+    if not rotation_form_fits(sylvester, order, bits=False) or sylvester * order != k:
         raise ValueError(f"the fused rotation needs K = a * m with a a power of two from {low} to {high} and "
                          f"m <= {ROTATE_MAX_M}: got K = {k}, a = {sylvester}, m = {order}")
     _expect_device(gate=gate, up=up, factor=factor, signs=signs)
@@ -909,8 +921,7 @@ def silu_mul_rotate_quantize_bits(gate: Tensor, up: Tensor, bits: Tensor, signs:
     _expect("bits", bits, torch.int32, (order, (order + 31) // 32))
     _expect("signs", signs, torch.float32, (k,))
     low, high = ROTATE_SYLVESTER
-    if (not low <= sylvester <= high or sylvester & (sylvester - 1) or not 2 <= order <= ROTATE_MAX_BITS_M
-            or order % 2 or sylvester * order != k or rotate_bits_smem(sylvester, order) > ROTATE_MAX_SMEM):
+    if not rotation_form_fits(sylvester, order, bits=True) or sylvester * order != k:
         raise ValueError(f"the fused tensor-core rotation needs K = a * m with a a power of two from {low} to {high}, "
                          f"m even from 2 to {ROTATE_MAX_BITS_M} and at most {ROTATE_MAX_SMEM} bytes of "
                          f"shared memory: got K = {k}, a = {sylvester}, m = {order}")

@@ -135,20 +135,17 @@ BITS_ABOVE = 32
 
 
 def _fused_rotation(rotation):
-    """(op, a, factor) when a fused kernel takes rotation.fused_form() - a Sylvester order within
-    cuda_ops.ROTATE_SYLVESTER and a second factor of at most BITS_ABOVE (<= ROTATE_MAX_M: the fp32
-    factor, CUDA cores) or, even, up to ROTATE_MAX_BITS_M within the shared memory (its sign bits,
-    tensor cores), in a library that has the kernel - else None."""
+    """(op, a, factor) when a fused kernel takes rotation.fused_form() (cuda_ops.rotation_form_fits)
+    in a library that has it: second factors of order up to BITS_ABOVE as the fp32 factor (CUDA
+    cores), larger ones as their sign bits (tensor cores) - else None."""
     from qoqtool.runtime import cuda_ops
 
     form = rotation.fused_form() if ROTATE else None
-    low, high = cuda_ops.ROTATE_SYLVESTER
-    if form is None or not low <= form[0] <= high:
+    if form is None:
         return None
     sylvester, order = form[0], form[1].shape[0]
-    cuda_cores = order <= cuda_ops.ROTATE_MAX_M and cuda_ops.has_fused_rotation()
-    tensor_cores = (order % 2 == 0 and order <= cuda_ops.ROTATE_MAX_BITS_M and cuda_ops.has_fused_rotation(bits=True)
-                    and cuda_ops.rotate_bits_smem(sylvester, order) <= cuda_ops.ROTATE_MAX_SMEM)
+    cuda_cores = cuda_ops.rotation_form_fits(sylvester, order, bits=False) and cuda_ops.has_fused_rotation()
+    tensor_cores = cuda_ops.rotation_form_fits(sylvester, order, bits=True) and cuda_ops.has_fused_rotation(bits=True)
     if tensor_cores and (order > BITS_ABOVE or not cuda_cores):
         return torch.ops.qoqtool.silu_mul_rotate_quantize_bits, sylvester, rotation.factor_bits
     return (torch.ops.qoqtool.silu_mul_rotate_quantize, *form) if cuda_cores else None
