@@ -145,3 +145,23 @@ def test_calibration_from_the_data_dir(shared_data):
 def test_missing_data_dir_files_are_named(tmp_path):
     with pytest.raises(UserError, match="wikitext-2-raw/wiki.valid.raw"):
         build_calibration("wikitext2", _CharTokenizer(), 2, 64, data_dir=str(tmp_path))
+
+
+def test_comparing_two_models_reports_fidelity_for_b(monkeypatch, capsys):
+    """eval A B --tasks fidelity: fidelity is B measured against A, so its rows show B's values
+    with A and B - A left empty (they were dropped, leaving an empty table), and no difference."""
+    from qoqtool.calibration.pipeline import quantize_model
+    from qoqtool.eval import runner
+    from qoqtool.eval.tasks import EvalSettings
+    from qoqtool.recipe import load_recipe
+    from qoqtool.runtime.loading import LoadedModel
+
+    original, quant = tiny_model("qwen3", seed=2), tiny_model("qwen3", seed=2)
+    quantize_model(quant, load_recipe("rtn-w4a8kv4-g64"), torch.randint(0, 128, (2, 24)))
+    models = {"a": LoadedModel(original, None, "original", "a"), "b": LoadedModel(quant, None, "quantized", "b")}
+    monkeypatch.setattr(runner, "load_any", lambda spec, device: models[spec])
+    res = runner.run_eval(["a", "b"], ["fidelity"], EvalSettings(fidelity_samples=2, fidelity_seqlen=16), "cpu", False)
+    assert res["results"]["a"] == {} and res["difference"] == {}
+    assert 0 < res["results"]["b"]["fidelity"]["kl"] and res["results"]["b"]["fidelity"]["original"] == "a"
+    table = capsys.readouterr().out
+    assert "kl" in table and "top1" in table

@@ -123,6 +123,8 @@ def run_eval(models: list[str], tasks: list[str], settings: EvalSettings, device
             if isinstance(va, (int, float)) and not isinstance(va, bool):
                 diff.setdefault(task, {})[key] = vb - va
                 rows.append([task, label, va, vb, vb - va])
+            else:  # B's alone: fidelity, which is B measured against A
+                rows.append([task, label, "", vb, ""])
     ui.table(f"{models[1]} against {models[0]}", ["task", "metric", "A", "B", "B - A"], rows)
     print_paths(models[0], paths_a)
     print_paths(models[1], paths_b)
