@@ -57,12 +57,13 @@ TINY = dict(
 
 
 def tiny_model(arch: str, seed: int = 0, tie: bool = False):
-    """A random tiny model of `arch` (llama, mistral, qwen2) with non-trivial norms."""
+    """A random tiny model of `arch` (llama, mistral, qwen2, qwen3) with non-trivial norms."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(arch, **TINY, tie_word_embeddings=tie)
-    config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
+    config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                            "qwen3": "Qwen3ForCausalLM"}[arch]]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -73,6 +74,6 @@ def tiny_model(arch: str, seed: int = 0, tie: bool = False):
     return model
 
 
-@pytest.fixture(params=["llama", "mistral", "qwen2"])
+@pytest.fixture(params=["llama", "mistral", "qwen2", "qwen3"])
 def tiny(request):
     return tiny_model(request.param)

@@ -45,11 +45,11 @@ def folders_open_with_the_word_tokenizer(monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: word_tokenizer())
 
 
-@pytest.fixture(scope="module")
-def packed_qoq(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])  # (qwen3: per-head q/k norms before RoPE)
+def packed_qoq(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("generate")
     tokens = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
-    qdir = quantize_to(tiny_decoder("qwen2"), load_recipe("qoq-w4a8kv4-g128"), root / "q", tokens)
+    qdir = quantize_to(tiny_decoder(request.param), load_recipe("qoq-w4a8kv4-g128"), root / "q", tokens)
     packed.pack_folder(str(qdir), str(root / "p"))
     return root / "p"
 

@@ -220,7 +220,7 @@ def tiny_decoder(arch: str, seed: int = 0):
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
                                   max_position_embeddings=512, rms_norm_eps=1e-6)
     config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                             "qwen2": "Qwen2ForCausalLM"}[arch]]
+                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -240,7 +240,7 @@ def tiny_decoder(arch: str, seed: int = 0):
 # of the three sequences, 0.04 at most, every other logit within 1e-5). So at KV4 one
 # sequence may exceed `tol`, by at most one such flip's worth, with the same greedy tokens.
 @pytest.mark.parametrize("arch, bits, tol", [("llama", 4, 1e-3), ("qwen2", 4, 1e-3), ("mistral", 8, 1e-3),
-                                             ("llama", 16, 2e-2)])
+                                             ("qwen3", 4, 1e-3), ("llama", 16, 2e-2)])
 def test_paged_generation_matches_the_reference_path(arch, bits, tol):
     from qoqtool.runtime.attention import enable_kv_quantization
     from qoqtool.runtime.generate import explain, generate_paged, generate_reference

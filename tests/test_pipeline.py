@@ -29,9 +29,10 @@ def _small(recipe):
     return recipe
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k biases; per-head q/k norms
 @pytest.mark.parametrize("name", known_recipes())
-def test_every_recipe_quantizes_and_reloads_exactly(name, tmp_path):
-    model = tiny_model("qwen2", seed=1)
+def test_every_recipe_quantizes_and_reloads_exactly(name, arch, tmp_path):
+    model = tiny_model(arch, seed=1)
     recipe = _small(load_recipe(name))
     tokens = _tokens()
     with torch.no_grad():

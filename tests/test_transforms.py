@@ -115,7 +115,7 @@ ALL_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_transforms_keep_logits(arch, tie):
     model = tiny_model(arch, seed=3, tie=tie)
@@ -131,9 +131,10 @@ def test_transforms_keep_logits(arch, tie):
         assert any("untied" in n for n in result.notes) and not model.config.tie_word_embeddings
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("step", ALL_STEPS, ids=lambda s: next(iter(s)))
-def test_each_transform_alone_keeps_logits(step):
-    model = tiny_model("qwen2", seed=5)
+def test_each_transform_alone_keeps_logits(step, arch):
+    model = tiny_model(arch, seed=5)
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(tokens, use_cache=False).logits.double()
@@ -141,6 +142,22 @@ def test_each_transform_alone_keeps_logits(step):
     with torch.no_grad():
         out = model(tokens, use_cache=False).logits.double()
     assert float((out - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_smooth_attention_scales_qwen3s_head_norms():
+    """With per-head q/k norms (Qwen3) lambda goes into their weights, not into q/k_proj (the
+    norm would undo it): k_norm / lambda and q_norm * lambda, one lambda for all heads."""
+    model = tiny_model("qwen3", seed=5)
+    attn = model.model.layers[0].self_attn
+    before = {n: getattr(attn, n).weight.detach().clone() for n in ("q_proj", "k_proj", "q_norm", "k_norm")}
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    quantize_model(model, _transform_recipe([{"smooth_attention": {"alpha": 0.5}}]), tokens, transform_only=True)
+    assert torch.equal(attn.q_proj.weight, before["q_proj"]) and torch.equal(attn.k_proj.weight, before["k_proj"])
+    lam = before["k_norm"] / attn.k_norm.weight.detach()
+    assert torch.allclose(attn.q_norm.weight / before["q_norm"], lam, rtol=1e-5)
+    assert lam.min() < 0.9 * lam.max()  # it did scale the channels
+    half = lam.numel() // 2
+    assert torch.allclose(lam[:half], lam[half:], rtol=1e-6)  # tied across RoPE pairs
 
 
 @pytest.mark.slow

@@ -16,9 +16,11 @@ from qoqtool.errors import UserError
 
 # Architectures whose decoder layers are, for quantization purposes, the same module tree:
 # RMSNorm -> q/k/v (RoPE) -> attention -> o, RMSNorm -> gate/up -> SiLU -> down.
-# Qwen2 adds biases on q/k/v, which every transform below carries along.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Qwen2 adds biases on q/k/v, which every transform below carries along; Qwen3 an RMSNorm
+# over each head's queries and keys between q/k_proj and RoPE (q_norm, k_norm: one weight
+# [head_dim] shared by all heads), which SmoothAttention folds its scales into.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # The seven quantized linears of a decoder layer, in execution order.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -52,13 +54,15 @@ class LayerParts:
     gate_proj: nn.Linear
     up_proj: nn.Linear
     down_proj: nn.Linear
+    q_norm: nn.Module | None = None  # Qwen3: RMSNorm of each query head, before RoPE
+    k_norm: nn.Module | None = None  # ... and of each key head
 
     def linears(self) -> dict[str, nn.Module]:
         return {name: getattr(self, name) for name in LINEAR_NAMES}
 
 
 class ModelAdapter:
-    """Names the pieces of a Llama/Mistral/Qwen2 causal LM (transformers' module tree)."""
+    """Names the pieces of a Llama/Mistral/Qwen2/Qwen3 causal LM (transformers' module tree)."""
 
     def __init__(self, model: nn.Module):
         check_supported(model.config)
@@ -109,6 +113,8 @@ class ModelAdapter:
             gate_proj=mlp.gate_proj,
             up_proj=mlp.up_proj,
             down_proj=mlp.down_proj,
+            q_norm=getattr(attn, "q_norm", None),
+            k_norm=getattr(attn, "k_norm", None),
         )
 
     # -- tied embeddings ----------------------------------------------------------------

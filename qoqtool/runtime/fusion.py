@@ -55,7 +55,7 @@ def _kernel_w4a8(linears, x: torch.Tensor) -> bool:
 
 
 def _plain_rmsnorm(norm: nn.Module) -> bool:
-    """Llama/Mistral/Qwen2's RMSNorm: weight * fp16(x * rsqrt(mean(x^2) + eps)), fp16 weight."""
+    """Llama/Mistral/Qwen2/Qwen3's RMSNorm: weight * fp16(x * rsqrt(mean(x^2) + eps)), fp16 weight."""
     weight = getattr(norm, "weight", None)
     return (type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
             and weight is not None and weight.dtype == torch.float16)

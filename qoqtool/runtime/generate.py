@@ -74,8 +74,11 @@ def _forward(adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, 
     batch, steps = ids.shape
     for i in range(adapter.num_layers):
         parts = adapter.parts(i)
-        q, k, v = (y.view(batch, steps, -1, adapter.head_dim).transpose(1, 2)
+        q, k, v = (y.view(batch, steps, -1, adapter.head_dim)
                    for y in normed_linears(parts.input_norm, h, (parts.q_proj, parts.k_proj, parts.v_proj)))
+        if parts.q_norm is not None:  # Qwen3: each head normalized before RoPE
+            q, k = parts.q_norm(q), parts.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = rotary_queries_and_cached_keys(parts.attn, q, k, cos, sin)  # as qoq_attention: RoPE, rotated, shifted
         o = attention(i, parts.attn, q, k, v)
         h = h + parts.o_proj(o.transpose(1, 2).reshape(batch, steps, -1))

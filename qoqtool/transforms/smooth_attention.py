@@ -10,6 +10,11 @@ measured on post-RoPE keys of the calibration data. RoPE mixes channel c with c 
 so lambda is tied across each pair (the larger of the two); then scaling commutes with
 RoPE and can be folded into q_proj / k_proj rows (and biases) offline. With grouped-query
 attention all query heads of a group share their KV head's lambda.
+
+Qwen3 normalizes each query and key head (RMSNorm, q_norm / k_norm) between the projection
+and RoPE, so a scale on k_proj's rows would be undone by the norm. The norms' weights are
+the last per-channel factor before RoPE instead: lambda goes there. One weight [head_dim]
+serves every head, so lambda is one vector too, the largest over the KV heads.
 """
 
 from __future__ import annotations
@@ -34,10 +39,23 @@ def attention_scales(key_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
     return torch.cat([tied, tied], dim=1)
 
 
+def shared_by_heads(lam: torch.Tensor) -> torch.Tensor:
+    """lambda [kv_heads, d] -> one lambda for every head (the largest), still [kv_heads, d]:
+    what a per-head norm's weight [d] can carry (still tied across RoPE pairs)."""
+    return lam.amax(dim=0, keepdim=True).expand_as(lam).contiguous()
+
+
 @torch.no_grad()
 def apply_attention_scales(parts, lam: torch.Tensor, num_heads: int) -> None:
-    """k rows / lambda, q rows * lambda (per query head, its KV head's lambda)."""
+    """k rows / lambda, q rows * lambda (per query head, its KV head's lambda); with per-head
+    norms (Qwen3), k_norm's weight / lambda and q_norm's * lambda (lambda shared by the heads)."""
     kv_heads, d = lam.shape
+    if parts.k_norm is not None:
+        if not torch.equal(lam, lam[:1].expand_as(lam)):
+            raise ValueError("a per-head norm takes one lambda for all heads (shared_by_heads)")
+        for norm, factor in ((parts.q_norm, lam[0]), (parts.k_norm, 1.0 / lam[0])):
+            norm.weight.data = (norm.weight.data.double() * factor).to(norm.weight.dtype)
+        return
     q_lam = lam.repeat_interleave(num_heads // kv_heads, dim=0).reshape(-1)
     k_lam = lam.reshape(-1)
     for linear, factor in ((parts.q_proj, q_lam), (parts.k_proj, 1.0 / k_lam)):
@@ -49,6 +67,8 @@ def apply_attention_scales(parts, lam: torch.Tensor, num_heads: int) -> None:
 def run(ctx, params: SmoothAttentionParams) -> None:
     cap = ctx.capture
     lam = attention_scales(cap.key_absmax, params.alpha)
+    if ctx.parts.k_norm is not None:
+        lam = shared_by_heads(lam)
     apply_attention_scales(ctx.parts, lam.to(ctx.parts.q_proj.weight.device), ctx.adapter.num_heads)
     cap.scale_keys(1.0 / lam)  # q.k is unchanged, so o_proj's and down_proj's inputs are too
 
