@@ -57,7 +57,7 @@ def _outlier_budget(spec: str | None, scope: str | None):
 # ----------------------------------------------------------------------------------------
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="Hub id, local HF folder, .gguf file, or smollm2-135m."),
+    model: str = typer.Argument(..., help="Hub id, local HF folder, .gguf file, or smollm2-135m; a Llama, Mistral, Qwen2 or Qwen3 causal LM."),
     recipe: str = typer.Option("qoq-w4a8kv4-g128", "--recipe", "-r", help="Recipe name (see `qoqtool recipes`) or a YAML file."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output folder [default: MODEL-RECIPE]."),
     calib: str = typer.Option("pile", "--calib", help="wikitext2, pile, synthetic (data-free), or a .txt/.jsonl file."),
