@@ -42,7 +42,7 @@ from qoqtool.runtime import fusion
 from qoqtool.runtime.mlp import configure_mlp
 from qoqtool.runtime.generate import model_kv_bits
 
-SHAPES = {  # transformers LlamaConfig fields
+SHAPES = {  # transformers LlamaConfig fields (or another model_type's)
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -53,15 +53,21 @@ SHAPES = {  # transformers LlamaConfig fields
     # hardly depends on them); its MLP's 18944 = 128 x 148 rotation takes the tensor-core kernel
     "qwen2.5-7b-shape": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                              num_key_value_heads=4, head_dim=128, vocab_size=152064),
+    # Qwen3-8B: a Qwen3 model, so its per-head q/k norms run too (in torch, between the merged
+    # q/k/v GEMM and RoPE); 12288 = 1024 x 12 on the CUDA-core rotation kernel
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }
 RECIPE = "qoq-w4a8kv4-g128"
 PAGE_SIZE = 64
 
 
 def fp16_model(shape: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=16384, rms_norm_eps=1e-5)
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields, max_position_embeddings=16384,
+                                  rms_norm_eps=1e-5)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)

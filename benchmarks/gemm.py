@@ -6,6 +6,7 @@
     python benchmarks/gemm.py --stage-ab [M,M,..] [--json PATH]        stream activations: global vs staged
     python benchmarks/gemm.py --explore-wide [--json PATH]             16-warp stream CTAs vs the plan
     python benchmarks/gemm.py --explore-plans [N:K,...] [--json PATH]  every stream plan vs the plan
+    python benchmarks/gemm.py --graph-length [--json PATH]             small M against the calls per graph
 
 For M in {1, 16, 64, 256, 1024, 4096, 8192} x (N, K) in the five shapes of issue 4:
   w4a8 per-group (QoQ progressive, g128), w4a8 per-channel, w8a8 (ours),
@@ -318,6 +319,37 @@ def explore_plans(g, shapes=PLAN_SHAPES, ms=(1, 8, 16), candidates=every_stream_
     return rows, table
 
 
+def graph_length(g, repeats=(1, 4, 8), ms=(1, 16)) -> tuple[list[dict], list[str]]:
+    """How much of a small-M call's time is the harness's: the same calls (each on its own
+    weight copy, the copies spanning > 2x L2) captured once per graph as in the table, then
+    repeated `repeats` times in one graph, for cuBLAS bf16 and ours (both W4 kinds). The
+    graph's own launch and the first call's start without an overlap are paid once per replay,
+    so longer graphs approach the steady state that back-to-back layers see."""
+    op = w4_ops()
+    rows, table = [], ["us per call (x = bf16 / ours) for graphs of R x the table's calls",
+                       f"{'M':>2} {'N x K':>11} {'copies':>6} | " + " | ".join(
+                           f"R={r}: {'bf16':>6} {'g128':>6} {'chn':>6} (bf16 / g128, / chn)" for r in repeats)]
+    for n, k, m, acts, _, _ in small_m_cases(g, ms, SMALL_SHAPES):
+        xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
+        bf16 = [lambda w=w: torch.matmul(xb, w.t()) for w in wb]
+        ours = {}
+        for kind in op:
+            weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
+            ours[kind] = [lambda w=w, f=op[kind]: f(*acts, *w, n) for w in weights]
+        cells = []
+        for r in repeats:
+            t = {"bf16": time_calls(bf16 * r), **{kind: time_calls(calls * r) for kind, calls in ours.items()}}
+            rows.append({"M": m, "N": n, "K": k, "repeats": r, "copies": len(ours["per_group"]), **{f"{a}_us": b for a, b in t.items()}})
+            cells.append(f"R={r}: {t['bf16']:6.2f} {t['per_group']:6.2f} {t['per_channel']:6.2f}"
+                         f" ({t['bf16'] / t['per_group']:.2f}x / {t['bf16'] / t['per_channel']:.2f}x)")
+        table.append(f"{m:2d} {n:>5}x{k:<5} {len(ours['per_group']):6d} | " + " | ".join(cells))
+        print(table[-1], flush=True)
+        del wb, bf16, ours
+        torch.cuda.empty_cache()
+    return rows, table
+
+
 def fixed_and_rate(g, n: int = 8192, ks=(2048, 4096, 8192, 16384, 32768)) -> list[str]:
     """M = 1 on N x K for growing K, ours (per-group, the plan) and cuBLAS bf16: a least-squares
     line time = fixed + bytes / rate splits each into a fixed cost per call and a streaming rate."""
@@ -546,6 +578,8 @@ def main() -> None:
     ap.add_argument("--explore-plans", nargs="?", const="", default=None, metavar="N:K,...",
                     help="only every stream-kernel plan against the plan's choice at M in {1, 8, 16}, on shapes "
                          "whose row tiles make no whole wave (or on these)")
+    ap.add_argument("--graph-length", action="store_true",
+                    help="only M in {1, 16} on four shapes with the table's calls repeated 1, 4, 8 times per graph")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -573,6 +607,9 @@ def main() -> None:
         shapes = [tuple(int(v) for v in c.split(":")) for c in args.explore_plans.split(",") if c]
         rows, table = explore_plans(g, shapes or PLAN_SHAPES)
         return finish(table, explore_plans=rows)
+    if args.graph_length:
+        rows, table = graph_length(g)
+        return finish(table, graph_length=rows)
     if args.explore_wide:  # the 16-warp shapes with 1, 2 or 4 splits against the plan
         rows, table = explore_plans(g, SMALL_SHAPES, candidates=wide_stream_plans)
         return finish(table, explore_wide=rows)
