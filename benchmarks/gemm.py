@@ -66,11 +66,16 @@ def time_calls(calls) -> float:
     return ms * 1e3 / len(calls)
 
 
-def bf16_us(m: int, n: int, k: int, g) -> float:
-    """cuBLAS bf16 (torch.matmul) on [m, k] x [n, k]^T, timed like our kernels (time_calls)."""
+def bf16_calls(m: int, n: int, k: int, g) -> list:
+    """cuBLAS bf16 (torch.matmul) on [m, k] x [n, k]^T, one call per weight copy (copies_for)."""
     xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
-    return time_calls([lambda w=w: torch.matmul(xb, w.t()) for w in wb])
+    return [lambda w=w: torch.matmul(xb, w.t()) for w in wb]
+
+
+def bf16_us(m: int, n: int, k: int, g) -> float:
+    """cuBLAS bf16 (bf16_calls), timed like our kernels (time_calls)."""
+    return time_calls(bf16_calls(m, n, k, g))
 
 
 def without_and_with_dependent_launch(calls) -> tuple[float, float]:
@@ -196,6 +201,14 @@ def w4_ops() -> dict:
     return {"per_group": per_group, "per_channel": torch.ops.qoqtool.w4a8_gemm_per_channel}
 
 
+def w4_calls(kind: str, acts: tuple, n: int, k: int, m: int, g, group: int = GROUP) -> list:
+    """Our W4A8 GEMM of `kind` on the activation operands `acts` (small_m_cases), one call per
+    weight copy (copies_for), each call bound to its own op and copy."""
+    op = w4_ops()[kind]
+    weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
+    return [lambda w=w: op(*acts, *w, n) for w in weights]
+
+
 def small_m_cases(g, ms=SMALL_MS, shapes=SMALL_SHAPES):
     """For `shapes` (default the four small ones) x `ms`: (N, K, M, the activation operands
     (x_q, x_scale, x_rowsum), cuBLAS bf16 us in this run, the plan's choice)."""
@@ -216,14 +229,14 @@ def explore_stream(g, group: int = GROUP) -> list[dict]:
     for n, k, m, acts, bf16, auto in small_m_cases(g):
         plans = [auto] + [cuda_ops.Plan(cuda_ops.STREAM, auto.tile, s) for s in (1, 2, 4, 8)]
         for kind in op:
-            weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
+            calls = w4_calls(kind, acts, n, k, m, g, group)
             for p in dict.fromkeys(plans):
-                us = time_with_plan(p, [lambda w=w: op[kind](*acts, *w, n) for w in weights])
+                us = time_with_plan(p, calls)
                 rows.append({"kind": kind, "M": m, "N": n, "K": k, "tile": p.tile, "splits": p.splits,
                              "plan": p.name(), "auto": p == auto, "us": us, "bf16_us": bf16})
                 print(f"  {kind:11s} M={m:2d} {n}x{k} {p.name():26s} {us:7.2f} us  bf16 {bf16:7.2f}  "
                       f"{bf16 / us:5.2f}x{'  <- plan' if p == auto else ''}", flush=True)
-            del weights
+            del calls
             torch.cuda.empty_cache()
     return rows
 
@@ -242,8 +255,7 @@ def mode_ab(g, modes: dict, ms=SMALL_MS, group: int = GROUP) -> tuple[list[dict]
                        + " | ".join(f"{n + ' best':>17}" for n in names) + f" | plan / best {names[-1]}"]
     for n, k, m, acts, bf16, auto in small_m_cases(g, ms):
         for kind in op:
-            weights = [w4_operands(n, k, kind, g, group) for _ in range(copies_for(n * k // 2, m))]
-            calls = [lambda w=w: op[kind](*acts, *w, n) for w in weights]
+            calls = w4_calls(kind, acts, n, k, m, g, group)
             best, plan_us = {}, None
             if auto.kernel != cuda_ops.STREAM:
                 modes[names[0]]()
@@ -268,7 +280,7 @@ def mode_ab(g, modes: dict, ms=SMALL_MS, group: int = GROUP) -> tuple[list[dict]
             table.append(f"{kind:11s} {m:2d} {n:>5}x{k:<5} | {bf16:6.2f} | " + " | ".join(cells)
                          + f" | {plan_us / best[names[-1]][0]:.3f}")
             print(table[-1], flush=True)
-            del weights, calls
+            del calls
             torch.cuda.empty_cache()
     return rows, table
 
@@ -299,8 +311,7 @@ def explore_plans(g, shapes=PLAN_SHAPES, ms=(1, 8, 16), candidates=every_stream_
     for n, k, m, acts, bf16, auto in small_m_cases(g, ms, shapes):
         plans = candidates(cuda_ops.stream_tile(m))
         for kind in op:
-            weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
-            calls = [lambda w=w: op[kind](*acts, *w, n) for w in weights]
+            calls = w4_calls(kind, acts, n, k, m, g)
             plan_us = time_calls(calls)
             best = (plan_us, auto.name())
             for p in plans:
@@ -314,7 +325,7 @@ def explore_plans(g, shapes=PLAN_SHAPES, ms=(1, 8, 16), candidates=every_stream_
             table.append(f"{kind:11s} {m:2d} {n:>5}x{k:<5} | {bf16:6.2f} | {auto.name():>22} {plan_us:6.2f} ({bf16 / plan_us:.2f}x) | "
                          f"{best[1]:>22} {best[0]:6.2f} ({bf16 / best[0]:.2f}x) | {plan_us / best[0]:.3f}")
             print(table[-1], flush=True)
-            del weights, calls
+            del calls
             torch.cuda.empty_cache()
     return rows, table
 
@@ -325,18 +336,12 @@ def graph_length(g, repeats=(1, 4, 8), ms=(1, 16)) -> tuple[list[dict], list[str
     repeated `repeats` times in one graph, for cuBLAS bf16 and ours (both W4 kinds). The
     graph's own launch and the first call's start without an overlap are paid once per replay,
     so longer graphs approach the steady state that back-to-back layers see."""
-    op = w4_ops()
     rows, table = [], ["us per call (x = bf16 / ours) for graphs of R x the table's calls",
                        f"{'M':>2} {'N x K':>11} {'copies':>6} | " + " | ".join(
                            f"R={r}: {'bf16':>6} {'g128':>6} {'chn':>6} (bf16 / g128, / chn)" for r in repeats)]
     for n, k, m, acts, _, _ in small_m_cases(g, ms, SMALL_SHAPES):
-        xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies_for(n * k * 2, m))]
-        bf16 = [lambda w=w: torch.matmul(xb, w.t()) for w in wb]
-        ours = {}
-        for kind in op:
-            weights = [w4_operands(n, k, kind, g) for _ in range(copies_for(n * k // 2, m))]
-            ours[kind] = [lambda w=w, f=op[kind]: f(*acts, *w, n) for w in weights]
+        bf16 = bf16_calls(m, n, k, g)
+        ours = {kind: w4_calls(kind, acts, n, k, m, g) for kind in w4_ops()}
         cells = []
         for r in repeats:
             t = {"bf16": time_calls(bf16 * r), **{kind: time_calls(calls * r) for kind, calls in ours.items()}}
@@ -345,7 +350,7 @@ def graph_length(g, repeats=(1, 4, 8), ms=(1, 16)) -> tuple[list[dict], list[str
                          f" ({t['bf16'] / t['per_group']:.2f}x / {t['bf16'] / t['per_channel']:.2f}x)")
         table.append(f"{m:2d} {n:>5}x{k:<5} {len(ours['per_group']):6d} | " + " | ".join(cells))
         print(table[-1], flush=True)
-        del wb, bf16, ours
+        del bf16, ours
         torch.cuda.empty_cache()
     return rows, table
 
