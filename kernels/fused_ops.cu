@@ -3,6 +3,9 @@
 //
 //   qoq_quantize_per_token   x                      -> (x_q, x_scale, x_rowsum)
 //   qoq_rmsnorm_quantize     RMSNorm(x) * weight    -> (x_q, x_scale, x_rowsum)
+//   qoq_add_rmsnorm_quantize h = x + delta, then the same for RMSNorm(h) * weight, and h written:
+//                            the decoder's residual add in the kernel that reads its sum next
+//   qoq_add_rmsnorm          RMSNorm(x [+ delta]) * weight in fp16, not quantized (fp16 models)
 //   qoq_silu_mul_quantize    silu(gate) * up        -> (x_q, x_scale, x_rowsum)
 //   qoq_silu_mul_rotate_quantize
 //                            fp16((silu(gate) * up) R) -> (x_q, x_scale, x_rowsum), R the online
@@ -19,7 +22,8 @@
 // (the GEMMs' padded K); x_rowsum (sum of a row's codes) feeds the per-channel W4 epilogue.
 //
 // RMSNorm follows transformers' LlamaRMSNorm: fp32 x * rsqrt(mean(x^2) + eps), rounded to
-// fp16, times the fp16 weight (one more fp16 rounding). silu(gate) * up is computed in fp32
+// fp16, times the fp16 weight (one more fp16 rounding). The residual add is torch's fp16 add
+// (an fp32 sum rounded once), so add_rmsnorm_quantize is rmsnorm_quantize of x + delta to the bit. silu(gate) * up is computed in fp32
 // and rounded to fp16 once. One CTA per row; the row stays in registers between passes.
 #include "common.cuh"
 
@@ -29,7 +33,8 @@ constexpr int kThreads = 256;
 constexpr int kVec = 8;  // fp16 values per thread and item: one 16-byte load
 constexpr float kFp16Tiny = 5.9604644775390625e-08f;  // 2^-24, the smallest fp16 subnormal
 
-enum class Op { kQuantize, kRmsNorm, kSiluMul };
+// kRmsNormHalf / kAddRmsNormHalf: the norm's fp16 output itself, not quantized (fp16 models).
+enum class Op { kQuantize, kRmsNorm, kAddRmsNorm, kSiluMul, kRmsNormHalf, kAddRmsNormHalf };
 
 struct Params {
   const __half* x;    // [M, K] (the gate for kSiluMul)
@@ -39,6 +44,10 @@ struct Params {
   int8_t* xq;       // [M, Kp]
   __half* xs;       // [M]
   int32_t* rowsum;  // [M]
+  const __half* delta = nullptr;  // kAddRmsNorm: added to x first ([M, K]) ...
+  __half* sum = nullptr;          // ... and the sum written here ([M, K]; not x: x is read through the
+                                  // read-only cache, which a write during the kernel would break)
+  __half* out = nullptr;          // k*RmsNormHalf: the normalized rows [M, K] (xq, xs, rowsum unused)
 };
 
 // Eight consecutive fp16 values from `row` at `at` as floats; zeros past K. VEC: K is a
@@ -66,6 +75,24 @@ __device__ __forceinline__ void load8(const __half* row, int at, int K, float (&
 }
 
 __device__ __forceinline__ float round_fp16(float v) { return __half2float(__float2half_rn(v)); }
+
+// The counterpart of load8: eight values (already fp16-exact) stored from `at`, none past K.
+template <bool VEC>
+__device__ __forceinline__ void store8(__half* row, int at, int K, const float (&v)[kVec]) {
+  if constexpr (VEC) {
+    if (at < K) {
+      uint4 raw;
+      __half2* h = reinterpret_cast<__half2*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kVec / 2; ++j) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+      *reinterpret_cast<uint4*>(row + at) = raw;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (at + j < K) row[at + j] = __float2half_rn(v[j]);
+  }
+}
 
 // The token's scale from this thread's |max| over its values (a block reduction; its barrier
 // also orders the block's earlier shared-memory writes): fp16(amax / 127), at least 2^-24, and
@@ -118,7 +145,22 @@ __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) 
       for (int j = 0; j < kVec; ++j) v[it][j] = round_fp16(__fdividef(v[it][j], 1.f + __expf(-v[it][j])) * u[j]);
     }
   }
-  if constexpr (OP == Op::kRmsNorm) {
+  constexpr bool kAdd = OP == Op::kAddRmsNorm || OP == Op::kAddRmsNormHalf;
+  constexpr bool kHalf = OP == Op::kRmsNormHalf || OP == Op::kAddRmsNormHalf;
+  if constexpr (kAdd) {  // the residual add first, its sum written out
+    const __half* d = p.delta + row * p.K;
+    __half* out = p.sum + row * p.K;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+      const int at = (it * kThreads + threadIdx.x) * kVec;
+      float dv[kVec];
+      load8<VEC>(d, at, p.K, dv);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[it][j] = round_fp16(v[it][j] + dv[j]);
+      store8<VEC>(out, at, p.K, v[it]);
+    }
+  }
+  if constexpr (kAdd || kHalf || OP == Op::kRmsNorm) {
     float ss = 0.f;
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it)
@@ -133,6 +175,11 @@ __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) 
 #pragma unroll
       for (int j = 0; j < kVec; ++j) v[it][j] = round_fp16(round_fp16(v[it][j] * r) * w[j]);
     }
+  }
+  if constexpr (kHalf) {
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) store8<VEC>(p.out + row * p.K, (it * kThreads + threadIdx.x) * kVec, p.K, v[it]);
+    return;
   }
 
   float amax = 0.f;
@@ -505,6 +552,25 @@ extern "C" int qoq_rmsnorm_quantize(const __half* x, const __half* weight, float
                                     __half* xs, int32_t* rowsum, cudaStream_t stream) {
   const qoq::fused::Params p{x, weight, eps, M, K, Kp, xq, xs, rowsum};
   return qoq::fused::launch<Op::kRmsNorm>(p, stream);
+}
+
+// x + delta -> sum (fp16), then qoq_rmsnorm_quantize of the sum; sum overlaps neither x nor delta.
+extern "C" int qoq_add_rmsnorm_quantize(const __half* x, const __half* delta, const __half* weight, float eps, int M,
+                                        int K, int Kp, __half* sum, int8_t* xq, __half* xs, int32_t* rowsum,
+                                        cudaStream_t stream) {
+  const qoq::fused::Params p{x, weight, eps, M, K, Kp, xq, xs, rowsum, delta, sum};
+  return qoq::fused::launch<Op::kAddRmsNorm>(p, stream);
+}
+
+// RMSNorm(x + delta) * weight -> out (fp16), with x + delta -> sum, or without delta (null) of x
+// alone: the norms of a model whose linears are not quantized. out and sum overlap neither input.
+extern "C" int qoq_add_rmsnorm(const __half* x, const __half* delta, const __half* weight, float eps, int M, int K,
+                               __half* sum, __half* out, cudaStream_t stream) {
+  using qoq::fused::Op;
+  const int Kp = qoq::ceil_div(K, 32) * 32;  // (sizes the register tile; nothing is padded)
+  qoq::fused::Params p{x, weight, eps, M, K, Kp, nullptr, nullptr, nullptr, delta, sum, out};
+  return delta != nullptr ? qoq::fused::launch<Op::kAddRmsNormHalf>(p, stream)
+                          : qoq::fused::launch<Op::kRmsNormHalf>(p, stream);
 }
 
 extern "C" int qoq_silu_mul_quantize(const __half* gate, const __half* up, int M, int K, int Kp, int8_t* xq,

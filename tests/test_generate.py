@@ -12,7 +12,7 @@ from qoqtool.packing import packed
 from qoqtool.recipe import load_recipe
 from qoqtool.models.adapter import ModelAdapter
 from qoqtool.runtime import packed_linear
-from qoqtool.runtime.fusion import mlp_output, normed_linears
+from qoqtool.runtime.fusion import add_normed_linears, mlp_output, normed_linears
 from qoqtool.runtime.generate import (DecodeSteps, _decode, _prefill, generate_paged, generate_reference, load_step,
                                       model_kv_bits, static_plan)
 from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache
@@ -207,8 +207,8 @@ def test_a_static_plan_refuses_a_step_it_cannot_hold(packed_qoq):
 
 
 def test_the_fused_decoder_parts_fall_back_to_the_modules_off_the_gpu(packed_qoq):
-    """On the CPU normed_linears and mlp_output compute exactly what the layer's own modules
-    compute (the default recipe's MLP rotates down_proj's input online)."""
+    """On the CPU normed_linears, add_normed_linears and mlp_output compute exactly what the
+    layer's own modules compute (the default recipe's MLP rotates down_proj's input online)."""
     model = qoqtool.load(str(packed_qoq)).model
     parts = ModelAdapter(model).parts(1)
     h = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -218,6 +218,12 @@ def test_the_fused_decoder_parts_fall_back_to_the_modules_off_the_gpu(packed_qoq
         assert torch.equal(got, linear(x))
     gate, up = normed_linears(parts.post_norm, h, (parts.gate_proj, parts.up_proj))
     assert torch.equal(mlp_output(parts.mlp, gate, up), parts.mlp(parts.post_norm(h)))
+    delta = torch.randn(h.shape, generator=torch.Generator().manual_seed(2))
+    total, (gate, up) = add_normed_linears(parts.post_norm, h, delta, (parts.gate_proj, parts.up_proj))
+    assert torch.equal(total, h + delta)
+    assert torch.equal(gate, parts.gate_proj(parts.post_norm(h + delta)))
+    assert torch.equal(up, parts.up_proj(parts.post_norm(h + delta)))
+    assert add_normed_linears(parts.post_norm, h, None, (parts.up_proj,))[0] is h
     with pytest.raises(ValueError, match="needs the CUDA kernels"):
         parts.q_proj(h, quantized=(h,))
 

@@ -77,6 +77,40 @@ def test_rmsnorm_quantize_matches_llama_rmsnorm(m, k, kp):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,kp", SHAPES)
+def test_add_rmsnorm_quantize_is_the_add_then_rmsnorm_quantize(m, k, kp):
+    """The residual add in the norm's kernel: its sum is torch's fp16 add and its codes, scales
+    and sums are rmsnorm_quantize's of that sum, bit for bit."""
+    x, delta = random_rows(m, k), random_rows(m, k, seed=3)
+    weight = (torch.rand(k, device="cuda") + 0.5).half()
+    total, *quantized = torch.ops.qoqtool.add_rmsnorm_quantize(x, delta, weight, 1e-5, kp)
+    assert torch.equal(total, x + delta)
+    for got, want in zip(quantized, torch.ops.qoqtool.rmsnorm_quantize(x + delta, weight, 1e-5, kp)):
+        assert torch.equal(got, want)
+    assert torch.equal(x, random_rows(m, k)), "x is read, not written"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,kp", SHAPES)
+def test_fp16_rmsnorm_matches_llama_rmsnorm_and_adds_the_residual(m, k, kp):
+    """rmsnorm / add_rmsnorm (the norms of fp16 models): transformers' LlamaRMSNorm up to the
+    order of the sum of squares (an fp16 ulp on a few values); add_rmsnorm's sum is torch's add
+    and its norm is rmsnorm's of that sum, bit for bit."""
+    x, delta = random_rows(m, k), random_rows(m, k, seed=3)
+    weight = (torch.rand(k, device="cuda") + 0.5).half()
+    xf = x.float()
+    want = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).half()
+    got = torch.ops.qoqtool.rmsnorm(x, weight, 1e-5)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-5)
+    assert (got != want).float().mean() < 0.02
+    total, normed = torch.ops.qoqtool.add_rmsnorm(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, torch.ops.qoqtool.rmsnorm(x + delta, weight, 1e-5))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,kp", SHAPES)
 def test_silu_mul_quantize_matches_fp32_product(m, k, kp):
     gate, up = random_rows(m, k, 1), random_rows(m, k, 2)
     y = (torch.nn.functional.silu(gate.float()) * up.float()).half()
@@ -213,5 +247,17 @@ def test_validation_rejects_bad_input_on_the_cpu():
         cuda_ops.rmsnorm_quantize(x, torch.ones(99, dtype=torch.float16), 1e-5, 128)
     with pytest.raises(ValueError, match="up must have shape"):
         cuda_ops.silu_mul_quantize(x, x[:2], 128)
+    with pytest.raises(ValueError, match=r"delta must have shape \[4, 100\]"):
+        cuda_ops.add_rmsnorm_quantize(x, x[:, :50].contiguous(), torch.ones(100, dtype=torch.float16), 1e-5, 128)
+    with pytest.raises(ValueError, match="delta must be float16"):
+        cuda_ops.add_rmsnorm_quantize(x, x.float(), torch.ones(100, dtype=torch.float16), 1e-5, 128)
+    with pytest.raises(ValueError, match="CUDA"):
+        cuda_ops.add_rmsnorm_quantize(x, x, torch.ones(100, dtype=torch.float16), 1e-5, 128)
+    with pytest.raises(ValueError, match=r"weight must have shape \[100\]"):
+        cuda_ops.rmsnorm(x, torch.ones(64, dtype=torch.float16), 1e-5)
+    with pytest.raises(ValueError, match=r"delta must have shape \[4, 100\]"):
+        cuda_ops.add_rmsnorm(x, x[:2].contiguous(), torch.ones(100, dtype=torch.float16), 1e-5)
+    with pytest.raises(ValueError, match="CUDA"):
+        cuda_ops.add_rmsnorm(x, x, torch.ones(100, dtype=torch.float16), 1e-5)
     with pytest.raises(ValueError, match="CUDA"):
         cuda_ops.quantize_per_token(x, 128)

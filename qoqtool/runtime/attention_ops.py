@@ -63,10 +63,6 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _null_or_ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(None) if t is None else kl.ptr(t)
-
-
 _TICKETS: dict[tuple[int, int], torch.Tensor] = {}
 
 
@@ -107,8 +103,8 @@ def _decode_op(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, c
         ml = torch.empty(batch, q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
         tickets = _tickets(q.device, batch * num_kv_heads)
     status = _lib().qoq_kv_decode(
-        kl.ptr(q), kl.ptr(out), kl.ptr(cache), kl.ptr(page_table), kl.ptr(context_lens), _null_or_ptr(acc),
-        _null_or_ptr(ml), _null_or_ptr(tickets), batch, q_heads, num_kv_heads, head_dim, bits, page_size,
+        kl.ptr(q), kl.ptr(out), kl.ptr(cache), kl.ptr(page_table), kl.ptr(context_lens), kl.ptr_or_null(acc),
+        kl.ptr_or_null(ml), kl.ptr_or_null(tickets), batch, q_heads, num_kv_heads, head_dim, bits, page_size,
         page_table.shape[1], cache.shape[0], num_splits, blocks_per_split, step_blocks, scale, kl.stream_of(q))
     kl.check(status, "qoqtool::kv_decode")
     return out

@@ -13,11 +13,15 @@ forward pass that uses them.
                                     the same fused with the linear's Tile-COO outliers
     qoqtool::quantize_per_token     fp16 x [M, K] -> (x_q [M, Kp] int8, x_scale [M] fp16, x_rowsum [M] int32)
     qoqtool::rmsnorm_quantize       RMSNorm(x) * weight, then the same
+    qoqtool::add_rmsnorm_quantize   h = x + delta (returned), then the same for RMSNorm(h) * weight
+    qoqtool::rmsnorm, add_rmsnorm   RMSNorm(x) * weight (of h = x + delta) in fp16, not quantized
     qoqtool::silu_mul_quantize      silu(gate) * up, then the same
     qoqtool::silu_mul_rotate_quantize
                                     silu(gate) * up, rotated by the online down_proj rotation, then the same
     qoqtool::silu_mul_rotate_quantize_bits
                                     the same for a rotation's large second factor (tensor cores)
+    qoqtool::qk_norm_rope           queries and keys from the q/k projections to what attention reads:
+                                    per-head RMSNorm (Qwen3), RoPE, key rotation, key shift
 
 The kernels (kernels/*.cu) have a plain C ABI and are called through ctypes on the current
 stream, so the ops work under CUDA-graph capture. Every op checks dtypes, shapes, devices,
@@ -27,7 +31,8 @@ library is built (or found in its cache) at the first call.
 
 Operand layouts are those of qoqtool.packing.layout (weights, group parameters) and
 qoqtool.quantizers.activations (per-token INT8 activations); the kernels' exact semantics
-are documented in kernels/w4a8_gemm.cu, kernels/w8a8_gemm.cu and kernels/fused_ops.cu.
+are documented in kernels/w4a8_gemm.cu, kernels/w8a8_gemm.cu, kernels/fused_ops.cu and
+kernels/qk_rope.cu.
 """
 
 from __future__ import annotations
@@ -80,12 +85,19 @@ _SIGNATURES = {
     "qoq_quantize_per_token": [_P, _I, _I, _I, _P, _P, _P, _P],
     # x, weight, eps, M, K, Kp, x_q, x_scale, x_rowsum, stream
     "qoq_rmsnorm_quantize": [_P, _P, _F, _I, _I, _I, _P, _P, _P, _P],
+    # x, delta, weight, eps, M, K, Kp, sum, x_q, x_scale, x_rowsum, stream
+    "qoq_add_rmsnorm_quantize": [_P, _P, _P, _F, _I, _I, _I, _P, _P, _P, _P, _P],
+    # x, delta, weight, eps, M, K, sum, out, stream
+    "qoq_add_rmsnorm": [_P, _P, _P, _F, _I, _I, _P, _P, _P],
     # gate, up, M, K, Kp, x_q, x_scale, x_rowsum, stream
     "qoq_silu_mul_quantize": [_P, _P, _I, _I, _I, _P, _P, _P, _P],
     # gate, up, factor, signs, M, K, Kp, a, m, x_q, x_scale, x_rowsum, stream
     "qoq_silu_mul_rotate_quantize": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P],
     # gate, up, sign bits, signs, M, K, Kp, a, m, x_q, x_scale, x_rowsum, stream
     "qoq_silu_mul_rotate_quantize_bits": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P],
+    # q, k, q_stride, k_stride, cos, sin, q_weight, k_weight, eps, rotation, shift, rows, Hq, Hkv, D, q_out, k_out, stream
+    "qoq_qk_norm_rope": [_P, _P, ctypes.c_longlong, ctypes.c_longlong, _P, _P, _P, _P, _F, _P, _P, _I, _I, _I, _I, _P,
+                         _P, _P],
 }
 
 
@@ -93,7 +105,8 @@ _SIGNATURES = {
 # such builds through this module): the ops fall back to what those libraries have.
 _NEWER_ENTRIES = {"qoq_w4a8_gemm_per_group_rowsum",  # 2026-12-02: its absence means the x_rowsum-free call
                   "qoq_silu_mul_rotate_quantize",  # 2026-12-06
-                  "qoq_silu_mul_rotate_quantize_bits"}  # 2026-12-06
+                  "qoq_silu_mul_rotate_quantize_bits",  # 2026-12-06
+                  "qoq_qk_norm_rope", "qoq_add_rmsnorm_quantize", "qoq_add_rmsnorm"}  # 2026-12-07
 
 
 @functools.lru_cache(maxsize=None)
@@ -401,7 +414,7 @@ def _expect(name: str, t, dtype: torch.dtype, shape: tuple) -> None:
 
 
 # Operands the kernels read with 16-byte vector loads or cp.async: their base must be aligned.
-_VECTOR_READ = {"x", "x_q", "gate", "up", "weight", "qweight", "scale1", "zero_x_scale1", "tc_entries"}
+_VECTOR_READ = {"x", "x_q", "delta", "gate", "up", "weight", "qweight", "scale1", "zero_x_scale1", "tc_entries", "rotation"}
 
 
 def _expect_device(**tensors: Tensor) -> torch.device:
@@ -816,6 +829,81 @@ def _(x, weight, eps, k_padded):
     return _quantize_fake(x, k_padded)
 
 
+@torch.library.custom_op("qoqtool::add_rmsnorm_quantize", mutates_args=())
+def add_rmsnorm_quantize(x: Tensor, delta: Tensor, weight: Tensor, eps: float,
+                         k_padded: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(h, *rmsnorm_quantize(h, weight, eps, k_padded)) for h = x + delta in fp16: the residual add
+    before a norm, in the norm's kernel (bit for bit the two ops one after the other)."""
+    m, k = check_quantize(x, k_padded)
+    _expect("delta", delta, torch.float16, (m, k))
+    _expect("weight", weight, torch.float16, (k,))
+    _expect_device(x=x, delta=delta, weight=weight)
+    total = torch.empty_like(x)
+    outs = _quantize_outputs(m, k_padded, x.device)
+    if m:
+        _call("qoq_add_rmsnorm_quantize", kl.ptr(x), kl.ptr(delta), kl.ptr(weight), float(eps), m, k, k_padded,
+              kl.ptr(total), *map(kl.ptr, outs), kl.stream_of(x))
+    return (total, *outs)
+
+
+@add_rmsnorm_quantize.register_fake
+def _(x, delta, weight, eps, k_padded):
+    return (torch.empty_like(x), *_quantize_fake(x, k_padded))
+
+
+def has_add_rmsnorm_quantize() -> bool:
+    """Whether the loaded library has add_rmsnorm_quantize and add_rmsnorm (builds before
+    2026-12-07 lack them)."""
+    return hasattr(_lib(), "qoq_add_rmsnorm_quantize") and hasattr(_lib(), "qoq_add_rmsnorm")
+
+
+def _check_norm(x: Tensor, weight: Tensor, delta: Tensor | None = None) -> tuple[int, int]:
+    _expect("x", x, torch.float16, (None, None))
+    m, k = x.shape
+    if not 0 < k <= MAX_QUANTIZE_K:
+        raise ValueError(f"rows of 1 to {MAX_QUANTIZE_K} features, got {k}")
+    _expect("weight", weight, torch.float16, (k,))
+    if delta is not None:
+        _expect("delta", delta, torch.float16, (m, k))
+        _expect_device(x=x, delta=delta, weight=weight)
+    else:
+        _expect_device(x=x, weight=weight)
+    return m, k
+
+
+@torch.library.custom_op("qoqtool::rmsnorm", mutates_args=())
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """fp16(fp16(x * rsqrt(mean(x^2) + eps)) * weight) for fp16 rows x [M, K], the norm in fp32:
+    transformers' Llama RMSNorm in one kernel, for the models whose linears are not quantized."""
+    m, k = _check_norm(x, weight)
+    out = torch.empty_like(x)
+    if m:
+        _call("qoq_add_rmsnorm", kl.ptr(x), None, kl.ptr(weight), float(eps), m, k, None, kl.ptr(out),
+              kl.stream_of(x))
+    return out
+
+
+@rmsnorm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("qoqtool::add_rmsnorm", mutates_args=())
+def add_rmsnorm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h, rmsnorm(h, weight, eps)) for h = x + delta in fp16: the residual add in the norm's kernel."""
+    m, k = _check_norm(x, weight, delta)
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    if m:
+        _call("qoq_add_rmsnorm", kl.ptr(x), kl.ptr(delta), kl.ptr(weight), float(eps), m, k, kl.ptr(total),
+              kl.ptr(out), kl.stream_of(x))
+    return total, out
+
+
+@add_rmsnorm.register_fake
+def _(x, delta, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
 @torch.library.custom_op("qoqtool::silu_mul_quantize", mutates_args=())
 def silu_mul_quantize(gate: Tensor, up: Tensor, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
     """quantize_per_token(fp16(silu(gate) * up)), the product in fp32."""
@@ -936,6 +1024,83 @@ def silu_mul_rotate_quantize_bits(gate: Tensor, up: Tensor, bits: Tensor, signs:
 @silu_mul_rotate_quantize_bits.register_fake
 def _(gate, up, bits, signs, sylvester, k_padded):
     return _quantize_fake(gate, k_padded)
+
+
+# -- queries and keys before attention ---------------------------------------------------------------
+QK_MAX_HEAD_DIM, QK_MAX_ROTATED_HEAD_DIM = 256, 128  # kernels/qk_rope.cu: D = 32 J, J <= 8; R in 32 KB
+
+
+def _token_rows(name: str, t: Tensor) -> int:
+    """The element stride between consecutive tokens of t [B, T, H, D] whose heads are
+    contiguous (a view into a GEMM's output rows, or a contiguous tensor); ValueError otherwise."""
+    batch, steps, heads, dim = t.shape
+    if t.stride(3) != 1 or (heads > 1 and t.stride(2) != dim):
+        raise ValueError(f"{name}'s heads must be contiguous within a token ([B, T, H, D] with strides [*, *, D, 1])")
+    stride = t.stride(1) if steps > 1 else t.stride(0)
+    if batch > 1 and steps > 1 and t.stride(0) != steps * t.stride(1):
+        raise ValueError(f"{name}'s tokens must be evenly spaced (the rows of one [B * T, *] tensor)")
+    return stride if batch * steps > 1 else heads * dim
+
+
+def qk_rope_fits(head_dim: int, rotated: bool) -> bool:
+    """Whether qk_norm_rope takes heads of this size (with a key rotation: `rotated`)."""
+    return head_dim % 32 == 0 and 0 < head_dim <= (QK_MAX_ROTATED_HEAD_DIM if rotated else QK_MAX_HEAD_DIM)
+
+
+def has_qk_norm_rope() -> bool:
+    """Whether the loaded library has qk_norm_rope (builds before 2026-12-07 lack it)."""
+    return hasattr(_lib(), "qoq_qk_norm_rope")
+
+
+@torch.library.custom_op("qoqtool::qk_norm_rope", mutates_args=())
+def qk_norm_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None, k_weight: Tensor | None,
+                 eps: float, rotation: Tensor | None, key_shift: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Queries q [B, T, Hq, D] and keys k [B, T, Hkv, D] (fp16, each token's heads contiguous: views
+    into the q/k/v GEMM's output are read in place) -> (q_out, k_out), the same shapes, contiguous:
+    each head RMS-normalized with q_weight / k_weight [D] (Qwen3's q_norm / k_norm; both or
+    neither) and eps, RoPE with cos, sin [B, T, D] (transformers' rotate_half form), times
+    `rotation` [D, D] (the online key rotation), keys minus key_shift [Hkv, D] fp32 - every step
+    optional but RoPE, each rounded to fp16 as the torch path rounds (kernels/qk_rope.cu)."""
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, Tensor) or t.dtype != torch.float16 or t.dim() != 4:
+            raise ValueError(f"{name} must be an fp16 tensor [B, T, heads, head_dim]")
+    batch, steps, q_heads, dim = q.shape
+    kv_heads = k.shape[2]
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != dim:
+        raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} must agree on B, T and head_dim")
+    if not qk_rope_fits(dim, rotation is not None):
+        raise ValueError(f"head_dim must be a multiple of 32 up to {QK_MAX_HEAD_DIM} ({QK_MAX_ROTATED_HEAD_DIM} with a "
+                         f"key rotation), got {dim}")
+    q_stride, k_stride = _token_rows("q", q), _token_rows("k", k)
+    _expect("cos", cos, torch.float16, (batch, steps, dim))
+    _expect("sin", sin, torch.float16, (batch, steps, dim))
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight come together (the model's q_norm and k_norm) or not at all")
+    optional = {}
+    if q_weight is not None:
+        _expect("q_weight", q_weight, torch.float16, (dim,))
+        _expect("k_weight", k_weight, torch.float16, (dim,))
+        optional.update(q_weight=q_weight, k_weight=k_weight)
+    if rotation is not None:
+        _expect("rotation", rotation, torch.float16, (dim, dim))
+        optional["rotation"] = rotation
+    if key_shift is not None:
+        _expect("key_shift", key_shift, torch.float32, (kv_heads, dim))
+        optional["key_shift"] = key_shift
+    _expect_device(q=q, k=k, cos=cos, sin=sin, **optional)
+    q_out = torch.empty(batch, steps, q_heads, dim, dtype=torch.float16, device=q.device)
+    k_out = torch.empty(batch, steps, kv_heads, dim, dtype=torch.float16, device=q.device)
+    if q.numel() and k.numel():
+        _call("qoq_qk_norm_rope", kl.ptr(q), kl.ptr(k), q_stride, k_stride, kl.ptr(cos), kl.ptr(sin),
+              *(kl.ptr_or_null(t) for t in (q_weight, k_weight)), float(eps),
+              *(kl.ptr_or_null(t) for t in (rotation, key_shift)), batch * steps, q_heads, kv_heads, dim,
+              kl.ptr(q_out), kl.ptr(k_out), kl.stream_of(q))
+    return q_out, k_out
+
+
+@qk_norm_rope.register_fake
+def _(q, k, cos, sin, q_weight, k_weight, eps, rotation, key_shift):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
 
 
 # -- the packed linear's forward pass ---------------------------------------------------------------

@@ -6,9 +6,18 @@ and its INT8 codes in one pass, so the fp16 tensor between them is never written
 
     normed_linears(norm, h, (q, k, v))   RMSNorm + per-token quantization, once for all three,
                                          and one GEMM for all three (merged_linear)
+    add_normed_linears(norm, h, delta, linears)
+                                         the same after the residual add h + delta, in the
+                                         norm's kernel (add_rmsnorm_quantize); for linears
+                                         that take fp16 (an fp16 model's), the add and the norm
+                                         in one kernel without the quantization (add_rmsnorm)
     mlp_output(mlp, gate, up)            silu(gate) * up + quantization, feeding down_proj; where
                                          the recipe rotates down_proj's input online, the
                                          rotation too (silu_mul_rotate_quantize)
+    rotary_queries_and_keys(parts, q, k, cos, sin)
+                                         queries and keys from the projections to attention:
+                                         Qwen3's per-head norms, RoPE, the key rotation and
+                                         shift in one kernel (qk_norm_rope), for any fp16 model
 
 Each falls back to the modules' own forward (the same computation, unfused) wherever the
 fused kernel does not apply: on the CPU, for linears that are not packed W4A8 linears running
@@ -40,6 +49,9 @@ from qoqtool.runtime.packed_linear import PackedLinear, _kernels
 ENABLED = os.environ.get("QOQTOOL_FUSED_NORMS", "1") != "0"
 MERGE = True  # merged_linear where it applies (a switch for benchmarks/decode.py)
 ROTATE = True  # the online down_proj rotation inside the quantization kernel where it applies (the same)
+ROPE = True  # queries' and keys' norms, RoPE, rotation and shift in one kernel where it applies (the same)
+ADD = True  # the residual add inside the next norm's quantization kernel where it applies (the same)
+FP16_NORMS = True  # norms (and the residual add) of linears with fp16 inputs in one kernel (the same)
 SILU = {"SiLU", "SiLUActivation"}  # torch's, and transformers' (ACT2FN["silu"])
 
 
@@ -54,6 +66,14 @@ def _kernel_w4a8(linears, x: torch.Tensor) -> bool:
             and len({m.k_padded for m in linears}) == 1)
 
 
+def _fp16_norm_kernel(norm: nn.Module, h: torch.Tensor) -> bool:
+    """Whether add_rmsnorm / rmsnorm compute norm(h) (fp16 on CUDA, a plain RMSNorm, a row the
+    kernel holds, a library that has them)."""
+    ops = _kernels() if ENABLED and FP16_NORMS and h.is_cuda and h.dtype == torch.float16 else None
+    return (ops is not None and _plain_rmsnorm(norm) and h.shape[-1] <= ops.MAX_QUANTIZE_K
+            and ops.has_add_rmsnorm_quantize())
+
+
 def _plain_rmsnorm(norm: nn.Module) -> bool:
     """Llama/Mistral/Qwen2/Qwen3's RMSNorm: weight * fp16(x * rsqrt(mean(x^2) + eps)), fp16 weight."""
     weight = getattr(norm, "weight", None)
@@ -64,18 +84,82 @@ def _plain_rmsnorm(norm: nn.Module) -> bool:
 def normed_linears(norm: nn.Module, h: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
     """[linear(norm(h)) for linear in linears], the norm and the quantization fused, and the
     linears merged into one GEMM, when they can be."""
+    return add_normed_linears(norm, h, None, linears)[1]
+
+
+def add_normed_linears(norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None,
+                       linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(r, [linear(norm(r)) for linear in linears]) for the residual stream r = h + delta (h where
+    delta is None): normed_linears with the decoder's residual add in the same kernel
+    (add_rmsnorm_quantize, bit for bit the add then the norm) where it applies."""
     if _plain_rmsnorm(norm) and _kernel_w4a8(linears, h):
-        x = h.reshape(-1, h.shape[-1]).contiguous()
-        if x.data_ptr() % 16:  # (the kernel reads 16-byte vectors)
-            x = x.clone()
-        quantized = torch.ops.qoqtool.rmsnorm_quantize(x, norm.weight, float(norm.variance_epsilon),
-                                                       linears[0].k_padded)
+        args = (norm.weight, float(norm.variance_epsilon), linears[0].k_padded)
+        if delta is None:
+            quantized = torch.ops.qoqtool.rmsnorm_quantize(_aligned_rows(h), *args)
+        elif ADD and delta.shape == h.shape and delta.dtype == h.dtype and _kernels().has_add_rmsnorm_quantize():
+            h, *quantized = torch.ops.qoqtool.add_rmsnorm_quantize(_aligned_rows(h), _aligned_rows(delta), *args)
+            h = h.view(delta.shape)
+        else:
+            h = h + delta
+            quantized = torch.ops.qoqtool.rmsnorm_quantize(_aligned_rows(h), *args)
         merged = merged_linear(linears) if MERGE else None
         if merged is not None:
-            return list(merged(h, quantized=quantized).split([m.out_features for m in linears], dim=-1))
-        return [linear(h, quantized=quantized) for linear in linears]
+            return h, list(merged(h, quantized=quantized).split([m.out_features for m in linears], dim=-1))
+        return h, [linear(h, quantized=quantized) for linear in linears]
+    if _fp16_norm_kernel(norm, h):  # linears that take the fp16 norm (an fp16 model's)
+        eps = float(norm.variance_epsilon)
+        if delta is None:
+            x = torch.ops.qoqtool.rmsnorm(_aligned_rows(h), norm.weight, eps)
+        elif delta.shape == h.shape and delta.dtype == h.dtype:
+            h, x = torch.ops.qoqtool.add_rmsnorm(_aligned_rows(h), _aligned_rows(delta), norm.weight, eps)
+            h = h.view(delta.shape)
+        else:
+            h = h + delta
+            x = torch.ops.qoqtool.rmsnorm(_aligned_rows(h), norm.weight, eps)
+        x = x.view(h.shape)
+        return h, [linear(x) for linear in linears]
+    if delta is not None:
+        h = h + delta
     x = norm(h)
-    return [linear(x) for linear in linears]
+    return h, [linear(x) for linear in linears]
+
+
+def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous rows [tokens, features] whose base is 16-byte aligned (the fused kernels
+    read 16-byte vectors)."""
+    x = t.reshape(-1, t.shape[-1]).contiguous()
+    return x.clone() if x.data_ptr() % 16 else x
+
+
+def rotary_queries_and_keys(parts, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Post-RoPE queries and cached keys [B, heads, T, D] (rotated and shifted as
+    attention.rotary_queries_and_cached_keys makes them) from the projections' q [B, T, Hq, D] and
+    k [B, T, Hkv, D], normalized per head first where the layer has q/k norms (Qwen3): in one
+    kernel where it applies - fp16 on CUDA, plain RMSNorms, a head size the kernel takes - as
+    separate torch ops elsewhere. The kernel rounds as those ops do (bit for bit without norms
+    and rotation, up to the order of sums with them)."""
+    from qoqtool.runtime.attention import KEY_SHIFT, rotary_queries_and_cached_keys
+
+    attn, q_norm, k_norm = parts.attn, parts.q_norm, parts.k_norm
+    rotation, shift = getattr(attn, "qoq_key_rotation", None), getattr(attn, KEY_SHIFT, None)
+    norms = q_norm is not None
+    fused = (ENABLED and ROPE and q.is_cuda and q.dtype == k.dtype == cos.dtype == torch.float16
+             and (not norms or (_plain_rmsnorm(q_norm) and _plain_rmsnorm(k_norm)
+                                and q_norm.variance_epsilon == k_norm.variance_epsilon))
+             and (shift is None or shift.dtype == torch.float32))
+    if fused:
+        from qoqtool.runtime import cuda_ops
+
+        fused = (cuda_ops.qk_rope_fits(q.shape[-1], rotation is not None) and _kernels() is not None
+                 and cuda_ops.has_qk_norm_rope())
+    if fused:
+        q, k = torch.ops.qoqtool.qk_norm_rope(
+            q, k, cos.contiguous(), sin.contiguous(), q_norm.weight if norms else None, k_norm.weight if norms else None,
+            float(q_norm.variance_epsilon) if norms else 0.0, None if rotation is None else rotation.to(q.dtype), shift)
+        return q.transpose(1, 2), k.transpose(1, 2)
+    if norms:
+        q, k = q_norm(q), k_norm(k)
+    return rotary_queries_and_cached_keys(attn, q.transpose(1, 2), k.transpose(1, 2), cos, sin)
 
 
 def merged_linear(linears: tuple[PackedLinear, ...]) -> PackedLinear | None:

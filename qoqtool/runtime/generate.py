@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from qoqtool.models.adapter import ModelAdapter
 from qoqtool.runtime import packed_linear
-from qoqtool.runtime.attention import attention_modules, rotary_queries_and_cached_keys
-from qoqtool.runtime.fusion import mlp_output, normed_linears
+from qoqtool.runtime.attention import attention_modules
+from qoqtool.runtime.fusion import add_normed_linears, mlp_output, rotary_queries_and_keys
 from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache, StepPlan, pages_needed
 
 DEFAULT_PROMPTS = (
@@ -66,25 +66,25 @@ def model_kv_bits(model) -> int:
 def _forward(adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
     """The decoder on ids [B, T] at positions [B, T], attention(layer, module, q, k, v) -> o,
     all [B, heads, T, head_dim] with q and k after RoPE. Returns the final hidden states.
-    (Each layer as transformers' Llama layer computes it, with the norms and the MLP's product
-    fused into the packed linears' input quantization where the kernels allow, runtime.fusion,
-    and RoPE and the key rotation run once for queries and keys together.)"""
+    (Each layer as transformers' Llama layer computes it, with the residual adds, the norms and
+    the MLP's product fused into the packed linears' input quantization where the kernels allow,
+    and queries and keys taken through their norms, RoPE, rotation and shift by one kernel:
+    runtime.fusion.)"""
     h = adapter.embed_tokens(ids)
     cos, sin = adapter.decoder.rotary_emb(h, positions)
     batch, steps = ids.shape
+    delta = None  # the last sublayer's output: the next norm's kernel adds it to the residual stream h
     for i in range(adapter.num_layers):
         parts = adapter.parts(i)
-        q, k, v = (y.view(batch, steps, -1, adapter.head_dim)
-                   for y in normed_linears(parts.input_norm, h, (parts.q_proj, parts.k_proj, parts.v_proj)))
-        if parts.q_norm is not None:  # Qwen3: each head normalized before RoPE
-            q, k = parts.q_norm(q), parts.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = rotary_queries_and_cached_keys(parts.attn, q, k, cos, sin)  # as qoq_attention: RoPE, rotated, shifted
-        o = attention(i, parts.attn, q, k, v)
-        h = h + parts.o_proj(o.transpose(1, 2).reshape(batch, steps, -1))
-        gate, up = normed_linears(parts.post_norm, h, (parts.gate_proj, parts.up_proj))
-        h = h + mlp_output(parts.mlp, gate, up)
-    return adapter.final_norm(h)
+        h, qkv = add_normed_linears(parts.input_norm, h, delta, (parts.q_proj, parts.k_proj, parts.v_proj))
+        q, k, v = (y.view(batch, steps, -1, adapter.head_dim) for y in qkv)
+        # As qoq_attention: (Qwen3: each head normalized,) RoPE, rotated, keys shifted.
+        q, k = rotary_queries_and_keys(parts, q, k, cos, sin)
+        o = attention(i, parts.attn, q, k, v.transpose(1, 2))
+        delta = parts.o_proj(o.transpose(1, 2).reshape(batch, steps, -1))
+        h, (gate, up) = add_normed_linears(parts.post_norm, h, delta, (parts.gate_proj, parts.up_proj))
+        delta = mlp_output(parts.mlp, gate, up)
+    return adapter.final_norm(h + delta)
 
 
 def _prefill(adapter: ModelAdapter, cache: PagedKVCache, seq: int, ids: list[int]) -> torch.Tensor:

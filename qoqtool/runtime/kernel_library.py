@@ -52,6 +52,11 @@ def ptr(t) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
+def ptr_or_null(t) -> ctypes.c_void_p:
+    """ptr(t), or a null pointer for an optional operand that is None."""
+    return ctypes.c_void_p(None) if t is None else ptr(t)
+
+
 def stream_of(t) -> ctypes.c_void_p:
     import torch
 
