@@ -5,7 +5,8 @@ residual add before them) and its queries' and keys' RoPE run in qoqtool's fused
 (rmsnorm / add_rmsnorm, qk_norm_rope), as a serving stack fuses them: only the linears differ.
 
     python benchmarks/decode.py [--shapes smollm2-135m,llama2-7b,llama3-8b] [--batches 1,16,64]
-                                [--recipe R] [--context 1024] [--steps 64] [--eager] [--profile] [--json PATH]
+                                [--recipe R] [--context 1024] [--steps 64] [--eager] [--fused-pdl]
+                                [--profile] [--json PATH]
 
 The models are the named architectures' shapes with random weights (no hub here; the speed of
 a step does not depend on the values): transformers builds the fp16 model on the GPU, which is
@@ -30,7 +31,8 @@ fp16 model with its norms and RoPE as torch ops ("fp16 torch ops": the baseline 
 before 2026-12-07), where the recipe rotates down_proj's input and the two versions of
 the Hadamard constructions differ for the shape (Llama-2's 11008: 2 x 5504 by FFT in version
 1, 32 x 344 in version 2, the default) with version 1's rotation ("hadamard 1"), and with
---eager without a graph (the launch overhead the graph removes); those columns give the replay
+--eager without a graph (the launch overhead the graph removes), with --fused-pdl with the small
+fused kernels as programmatic dependent launches ("fused PDL"); those columns give the replay
 time and its ratio to the default's (fp16 torch ops: to the fp16 model's). --profile lists the
 kernels of one replayed step at the first batch size (torch.profiler): fp16, packed, packed
 with qk apart.
@@ -221,6 +223,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--recipe", default=RECIPE, help="a W4A8 recipe (its weights format and run-time parts)")
     ap.add_argument("--eager", action="store_true", help="also the packed model's loop without a CUDA graph")
+    ap.add_argument("--fused-pdl", action="store_true",
+                    help="also the packed model with the fused kernels as dependent launches (cuda_ops.set_fused_dependent_launch)")
     ap.add_argument("--profile", action="store_true",
                     help="also the kernels of a replayed step of each model at the first batch size (torch.profiler)")
     ap.add_argument("--json", default=None)
@@ -254,6 +258,12 @@ def main() -> None:
             "not merged": timed(MERGE=False),  # q/k/v and gate/up as separate GEMMs
             "unfused": timed(MERGE=False, ENABLED=False),  # nor any fused kernel
         }
+        if args.fused_pdl:
+            from qoqtool.runtime import cuda_ops
+
+            cuda_ops.set_fused_dependent_launch(True)
+            apart["fused PDL"] = timed()
+            cuda_ops.set_fused_dependent_launch(False)
         eager = {b: time_steps(model, b, args.context, max(4, args.steps // 8), False) for b in batches} if args.eager else {}
         print(f"\n{shape}: fp16 (cuBLAS, KV16) vs packed {args.recipe} (qoqtool kernels, KV{model_kv_bits(model)})")
         print(f"{'batch':>5} | {'fp16 loop':>9} | {'W4A8KV4 loop':>12} | {'speedup':>7} | {'fp16 replay':>11} | "

@@ -73,6 +73,26 @@ cudaError_t launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, si
   return launch_in_clusters_maybe_pdl(kernel, grid, block, smem, stream, pdl, 1, std::forward<Args>(args)...);
 }
 
+// Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
+// (on by default; qoq_gemm_set_dependent_launch): their CTAs start while the previous kernel
+// of the stream finishes - the stream kernel also loads its first chunk of weights then.
+// Measured on the H200 (benchmarks/gemm.py --explore-stream): -1.6 to -2.4 us per stream
+// GEMM at M = 1 and 16 on the benchmark shapes.
+inline bool& dependent_launch() {
+  static bool enabled = true;
+  return enabled;
+}
+
+// The same for the small kernels between the GEMMs (fused_ops.cu's row kernels, qk_rope.cu),
+// which read what does not depend on the kernel before them (norm weights, the key rotation)
+// before they wait for it. Off by default (qoq_fused_set_dependent_launch): in decode steps on
+// an H100 (benchmarks/decode.py --fused-pdl, 2026-12-07) it gained 3% at batch 1 and lost 3-4% at
+// batch 16 and 11-12% at batch 64.
+inline bool& fused_dependent_launch() {
+  static bool enabled = false;
+  return enabled;
+}
+
 constexpr int kWarp = 32;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -129,6 +129,19 @@ __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) 
   // The GEMM that follows (a programmatic dependent launch, gemm_kernels.cuh) may start its
   // weight loads now; it waits for this grid before it reads what we write.
   pdl_launch_dependents();
+  constexpr bool kAdd = OP == Op::kAddRmsNorm || OP == Op::kAddRmsNormHalf;
+  constexpr bool kHalf = OP == Op::kRmsNormHalf || OP == Op::kAddRmsNormHalf;
+  constexpr bool kNorm = kAdd || kHalf || OP == Op::kRmsNorm;
+  // The norm's weight does not depend on the kernel before us (we too may be a dependent launch):
+  // read it before the wait, where it fits the registers (ITEMS <= 4: K up to 8192), so that its
+  // latency is not paid after the row's sum of squares.
+  constexpr bool kEarlyWeight = kNorm && ITEMS <= 4;
+  float w_early[kEarlyWeight ? ITEMS : 1][kVec];
+  if constexpr (kEarlyWeight) {
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) load8<VEC>(p.aux, (it * kThreads + threadIdx.x) * kVec, p.K, w_early[it]);
+  }
+  pdl_wait();  // the previous kernel (which writes x, delta) has finished
   const size_t row = blockIdx.x;
   const __half* x = p.x + row * p.K;
   float v[ITEMS][kVec];
@@ -145,8 +158,6 @@ __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) 
       for (int j = 0; j < kVec; ++j) v[it][j] = round_fp16(__fdividef(v[it][j], 1.f + __expf(-v[it][j])) * u[j]);
     }
   }
-  constexpr bool kAdd = OP == Op::kAddRmsNorm || OP == Op::kAddRmsNormHalf;
-  constexpr bool kHalf = OP == Op::kRmsNormHalf || OP == Op::kAddRmsNormHalf;
   if constexpr (kAdd) {  // the residual add first, its sum written out
     const __half* d = p.delta + row * p.K;
     __half* out = p.sum + row * p.K;
@@ -160,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) 
       store8<VEC>(out, at, p.K, v[it]);
     }
   }
-  if constexpr (kAdd || kHalf || OP == Op::kRmsNorm) {
+  if constexpr (kNorm) {
     float ss = 0.f;
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it)
@@ -171,7 +182,12 @@ __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) 
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
       float w[kVec];
-      load8<VEC>(p.aux, (it * kThreads + threadIdx.x) * kVec, p.K, w);
+      if constexpr (kEarlyWeight) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) w[j] = w_early[it][j];
+      } else {
+        load8<VEC>(p.aux, (it * kThreads + threadIdx.x) * kVec, p.K, w);
+      }
 #pragma unroll
       for (int j = 0; j < kVec; ++j) v[it][j] = round_fp16(round_fp16(v[it][j] * r) * w[j]);
     }
@@ -211,14 +227,15 @@ __global__ void __launch_bounds__(kThreads) row_quantize_kernel(const Params p) 
 template <bool VEC, Op OP>
 cudaError_t launch_vec(const Params& p, cudaStream_t stream) {
   const int items = ceil_div(p.Kp, kThreads * kVec);  // the row, padded, must fit the registers
-  const dim3 grid(p.M);
-  if (items <= 1) row_quantize_kernel<1, VEC, OP><<<grid, kThreads, 0, stream>>>(p);
-  else if (items <= 2) row_quantize_kernel<2, VEC, OP><<<grid, kThreads, 0, stream>>>(p);
-  else if (items <= 4) row_quantize_kernel<4, VEC, OP><<<grid, kThreads, 0, stream>>>(p);
-  else if (items <= 8) row_quantize_kernel<8, VEC, OP><<<grid, kThreads, 0, stream>>>(p);
-  else if (items <= 16) row_quantize_kernel<16, VEC, OP><<<grid, kThreads, 0, stream>>>(p);
-  else return cudaErrorInvalidValue;  // Kp > 32768: cuda_ops refuses it before the call
-  return cudaGetLastError();
+  const auto go = [&](auto kernel) {
+    return launch_maybe_pdl(kernel, dim3(p.M), dim3(kThreads), 0, stream, fused_dependent_launch(), p);
+  };
+  if (items <= 1) return go(row_quantize_kernel<1, VEC, OP>);
+  if (items <= 2) return go(row_quantize_kernel<2, VEC, OP>);
+  if (items <= 4) return go(row_quantize_kernel<4, VEC, OP>);
+  if (items <= 8) return go(row_quantize_kernel<8, VEC, OP>);
+  if (items <= 16) return go(row_quantize_kernel<16, VEC, OP>);
+  return cudaErrorInvalidValue;  // Kp > 32768: cuda_ops refuses it before the call
 }
 
 template <Op OP>
@@ -540,6 +557,11 @@ extern "C" int qoq_silu_mul_rotate_quantize_bits(const __half* gate, const __hal
     return cudaErrorInvalidValue;
   const RotateParams p{gate, up, nullptr, hbits, signs, M, K, Kp, a, m, xq, xs, rowsum};
   return launch_by_rows(a, [&](auto rpl) { return launch_rotate_mma<decltype(rpl)::value>(p, stream); });
+}
+
+extern "C" int qoq_fused_set_dependent_launch(int enabled) {
+  qoq::fused_dependent_launch() = enabled != 0;
+  return cudaSuccess;
 }
 
 extern "C" int qoq_quantize_per_token(const __half* x, int M, int K, int Kp, int8_t* xq, __half* xs, int32_t* rowsum,

@@ -67,16 +67,6 @@ namespace qoq::gemm {
 // 64 rows (one m64 block each), tile = how many (3: 192-row CTAs).
 enum class KernelId : int { kStream = 0, kWgmma = 1, kStream1x16 = 2, kStream2x8 = 3, kWgmmaK2 = 4, kWgmmaK2T64 = 5, kWgmmaM64 = 6 };
 
-// Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
-// (on by default; qoq_gemm_set_dependent_launch): their CTAs start while the previous kernel
-// of the stream finishes - the stream kernel also loads its first chunk of weights then.
-// Measured on the H200 (benchmarks/gemm.py --explore-stream): -1.6 to -2.4 us per stream
-// GEMM at M = 1 and 16 on the benchmark shapes.
-inline bool& dependent_launch() {
-  static bool enabled = true;
-  return enabled;
-}
-
 // Whether the dense stream kernel copies each chunk's activations into shared memory with
 // 16-byte cp.async (STAGE, at M >= kStageMinM) instead of loading its B fragments straight
 // from global memory (on by default; qoq_gemm_set_stage_activations turns it off for

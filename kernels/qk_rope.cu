@@ -68,11 +68,23 @@ __global__ void __launch_bounds__(kWarps * kWarp) qk_norm_rope_kernel(const Para
   // One head row per warp, for the two cross-lane reads: RoPE's partner element and z R.
   __shared__ float row_buf[kWarps][D];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  pdl_launch_dependents();  // the next kernel (the cache append) may launch; it waits for us
   if constexpr (ROTATE) {
-    for (int i = threadIdx.x; i < D * D / 8; i += blockDim.x)
-      reinterpret_cast<uint4*>(rotation)[i] = __ldg(reinterpret_cast<const uint4*>(p.rotation) + i);
+    // R does not depend on the kernel before us (the q/k/v GEMM): staged before the wait, while
+    // that kernel finishes (when launched as a dependent launch). All of a thread's 16-byte loads
+    // are issued before its first store: a rolled loop would wait out one L2 round trip per load.
+    constexpr int kChunks = D * D / 8, kThreads = kWarps * kWarp, kPerThread = (kChunks + kThreads - 1) / kThreads;
+    uint4 staged[kPerThread];
+#pragma unroll
+    for (int s = 0; s < kPerThread; ++s)
+      if (s * kThreads + threadIdx.x < kChunks)
+        staged[s] = __ldg(reinterpret_cast<const uint4*>(p.rotation) + s * kThreads + threadIdx.x);
+#pragma unroll
+    for (int s = 0; s < kPerThread; ++s)
+      if (s * kThreads + threadIdx.x < kChunks) reinterpret_cast<uint4*>(rotation)[s * kThreads + threadIdx.x] = staged[s];
     __syncthreads();
   }
+  pdl_wait();  // the q/k/v GEMM (which writes q, k) has finished
   float* row = row_buf[warp];
   const int heads = p.q_heads + p.kv_heads;
   const long long items = static_cast<long long>(p.rows) * heads;
@@ -156,19 +168,16 @@ int launch(const Params& p, cudaStream_t stream) {
   const long long items = static_cast<long long>(p.rows) * (p.q_heads + p.kv_heads);
   const int grid = static_cast<int>(std::min<long long>((items + kWarps - 1) / kWarps, static_cast<long long>(sms) * kCtasPerSm));
   const bool norm = p.q_weight != nullptr, rotate = p.rotation != nullptr;
-  const dim3 block(kWarps * kWarp);
+  const auto go = [&](auto kernel) {
+    return static_cast<int>(qoq::launch_maybe_pdl(kernel, dim3(grid), dim3(kWarps * kWarp), 0, stream,
+                                                  qoq::fused_dependent_launch(), p));
+  };
   if constexpr (J <= kMaxRotateJ) {
-    if (rotate) {
-      if (norm) qk_norm_rope_kernel<J, true, true><<<grid, block, 0, stream>>>(p);
-      else qk_norm_rope_kernel<J, false, true><<<grid, block, 0, stream>>>(p);
-      QOQ_RETURN_LAUNCH_STATUS();
-    }
+    if (rotate) return norm ? go(qk_norm_rope_kernel<J, true, true>) : go(qk_norm_rope_kernel<J, false, true>);
   } else {
     if (rotate) return cudaErrorInvalidValue;
   }
-  if (norm) qk_norm_rope_kernel<J, true, false><<<grid, block, 0, stream>>>(p);
-  else qk_norm_rope_kernel<J, false, false><<<grid, block, 0, stream>>>(p);
-  QOQ_RETURN_LAUNCH_STATUS();
+  return norm ? go(qk_norm_rope_kernel<J, true, false>) : go(qk_norm_rope_kernel<J, false, false>);
 }
 
 }  // namespace qoq::qk_rope

@@ -123,7 +123,7 @@ extern "C" int qoq_w4a8_sparse_dense_gemm_per_channel(int kernel, int tile, int 
 // Whether the GEMM kernels (stream, W4A16, wgmma) go out as programmatic dependent launches
 // (gemm_kernels.cuh, dependent_launch; benchmarks compare).
 extern "C" int qoq_gemm_set_dependent_launch(int enabled) {
-  qoq::gemm::dependent_launch() = enabled != 0;
+  qoq::dependent_launch() = enabled != 0;
   return cudaSuccess;
 }
 

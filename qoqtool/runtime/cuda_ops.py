@@ -76,6 +76,8 @@ _SIGNATURES = {
     # enabled
     "qoq_gemm_set_dependent_launch": [_I],
     # enabled
+    "qoq_fused_set_dependent_launch": [_I],
+    # enabled
     "qoq_gemm_set_stage_activations": [_I],
     # mode (FUSED_STAGING_*)
     "qoq_gemm_set_fused_staging": [_I],
@@ -106,7 +108,8 @@ _SIGNATURES = {
 _NEWER_ENTRIES = {"qoq_w4a8_gemm_per_group_rowsum",  # 2026-12-02: its absence means the x_rowsum-free call
                   "qoq_silu_mul_rotate_quantize",  # 2026-12-06
                   "qoq_silu_mul_rotate_quantize_bits",  # 2026-12-06
-                  "qoq_qk_norm_rope", "qoq_add_rmsnorm_quantize", "qoq_add_rmsnorm"}  # 2026-12-07
+                  "qoq_qk_norm_rope", "qoq_add_rmsnorm_quantize", "qoq_add_rmsnorm",
+                  "qoq_fused_set_dependent_launch"}  # 2026-12-07
 
 
 @functools.lru_cache(maxsize=None)
@@ -335,6 +338,12 @@ def set_dependent_launch(enabled: bool = True) -> None:
     of the stream finishes; they wait for it before they read activations or write anything.
     benchmarks/gemm.py --explore-stream times both."""
     _call("qoq_gemm_set_dependent_launch", int(enabled))
+
+
+def set_fused_dependent_launch(enabled: bool = False) -> None:
+    """The same for the small kernels between the GEMMs (the fused norm / quantization kernels,
+    qk_norm_rope): off by default - benchmarks/decode.py --fused-pdl times both."""
+    _call("qoq_fused_set_dependent_launch", int(enabled))
 
 
 def set_stage_activations(enabled: bool = True) -> None:
