@@ -860,9 +860,9 @@ def _(x, delta, weight, eps, k_padded):
     return (torch.empty_like(x), *_quantize_fake(x, k_padded))
 
 
-def has_add_rmsnorm_quantize() -> bool:
-    """Whether the loaded library has add_rmsnorm_quantize and add_rmsnorm (builds before
-    2026-12-07 lack them)."""
+def has_fused_norms() -> bool:
+    """Whether the loaded library has the residual-add norm kernels (add_rmsnorm_quantize, and
+    rmsnorm / add_rmsnorm for fp16 outputs); builds before 2026-12-07 lack them."""
     return hasattr(_lib(), "qoq_add_rmsnorm_quantize") and hasattr(_lib(), "qoq_add_rmsnorm")
 
 

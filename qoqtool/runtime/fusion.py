@@ -71,7 +71,7 @@ def _fp16_norm_kernel(norm: nn.Module, h: torch.Tensor) -> bool:
     kernel holds, a library that has them)."""
     ops = _kernels() if ENABLED and FP16_NORMS and h.is_cuda and h.dtype == torch.float16 else None
     return (ops is not None and _plain_rmsnorm(norm) and h.shape[-1] <= ops.MAX_QUANTIZE_K
-            and ops.has_add_rmsnorm_quantize())
+            and ops.has_fused_norms())
 
 
 def _plain_rmsnorm(norm: nn.Module) -> bool:
@@ -96,7 +96,7 @@ def add_normed_linears(norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | N
         args = (norm.weight, float(norm.variance_epsilon), linears[0].k_padded)
         if delta is None:
             quantized = torch.ops.qoqtool.rmsnorm_quantize(_aligned_rows(h), *args)
-        elif ADD and delta.shape == h.shape and delta.dtype == h.dtype and _kernels().has_add_rmsnorm_quantize():
+        elif ADD and delta.shape == h.shape and delta.dtype == h.dtype and _kernels().has_fused_norms():
             h, *quantized = torch.ops.qoqtool.add_rmsnorm_quantize(_aligned_rows(h), _aligned_rows(delta), *args)
             h = h.view(delta.shape)
         else:
