@@ -94,34 +94,35 @@ def add_normed_linears(norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | N
     (add_rmsnorm_quantize, bit for bit the add then the norm) where it applies."""
     if _plain_rmsnorm(norm) and _kernel_w4a8(linears, h):
         args = (norm.weight, float(norm.variance_epsilon), linears[0].k_padded)
-        if delta is None:
-            quantized = torch.ops.qoqtool.rmsnorm_quantize(_aligned_rows(h), *args)
-        elif ADD and delta.shape == h.shape and delta.dtype == h.dtype and _kernels().has_fused_norms():
-            h, *quantized = torch.ops.qoqtool.add_rmsnorm_quantize(_aligned_rows(h), _aligned_rows(delta), *args)
-            h = h.view(delta.shape)
-        else:
-            h = h + delta
-            quantized = torch.ops.qoqtool.rmsnorm_quantize(_aligned_rows(h), *args)
+        h, quantized = _residual_norm(h, delta, lambda x: torch.ops.qoqtool.rmsnorm_quantize(x, *args),
+                                      lambda x, d: torch.ops.qoqtool.add_rmsnorm_quantize(x, d, *args),
+                                      fuse_add=ADD and _kernels().has_fused_norms())
         merged = merged_linear(linears) if MERGE else None
         if merged is not None:
             return h, list(merged(h, quantized=quantized).split([m.out_features for m in linears], dim=-1))
         return h, [linear(h, quantized=quantized) for linear in linears]
     if _fp16_norm_kernel(norm, h):  # linears that take the fp16 norm (an fp16 model's)
-        eps = float(norm.variance_epsilon)
-        if delta is None:
-            x = torch.ops.qoqtool.rmsnorm(_aligned_rows(h), norm.weight, eps)
-        elif delta.shape == h.shape and delta.dtype == h.dtype:
-            h, x = torch.ops.qoqtool.add_rmsnorm(_aligned_rows(h), _aligned_rows(delta), norm.weight, eps)
-            h = h.view(delta.shape)
-        else:
-            h = h + delta
-            x = torch.ops.qoqtool.rmsnorm(_aligned_rows(h), norm.weight, eps)
+        args = (norm.weight, float(norm.variance_epsilon))
+        h, (x,) = _residual_norm(h, delta, lambda x: (torch.ops.qoqtool.rmsnorm(x, *args),),
+                                 lambda x, d: torch.ops.qoqtool.add_rmsnorm(x, d, *args), fuse_add=True)
         x = x.view(h.shape)
         return h, [linear(x) for linear in linears]
     if delta is not None:
         h = h + delta
     x = norm(h)
     return h, [linear(x) for linear in linears]
+
+
+def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, norm_op, add_norm_op, fuse_add: bool):
+    """(r, norm_op's outputs for r) for r = h + delta (h where delta is None), through a fused
+    kernel: add_norm_op(h, delta) -> (r, *the same outputs) takes the add too where fuse_add and
+    delta matches h; otherwise torch adds and norm_op(r) normalizes (rows 16-byte aligned)."""
+    if delta is not None and fuse_add and delta.shape == h.shape and delta.dtype == h.dtype:
+        total, *outputs = add_norm_op(_aligned_rows(h), _aligned_rows(delta))
+        return total.view(delta.shape), tuple(outputs)
+    if delta is not None:
+        h = h + delta
+    return h, tuple(norm_op(_aligned_rows(h)))
 
 
 def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
@@ -143,16 +144,11 @@ def rotary_queries_and_keys(parts, q: torch.Tensor, k: torch.Tensor, cos: torch.
     attn, q_norm, k_norm = parts.attn, parts.q_norm, parts.k_norm
     rotation, shift = getattr(attn, "qoq_key_rotation", None), getattr(attn, KEY_SHIFT, None)
     norms = q_norm is not None
-    fused = (ENABLED and ROPE and q.is_cuda and q.dtype == k.dtype == cos.dtype == torch.float16
-             and (not norms or (_plain_rmsnorm(q_norm) and _plain_rmsnorm(k_norm)
-                                and q_norm.variance_epsilon == k_norm.variance_epsilon))
-             and (shift is None or shift.dtype == torch.float32))
-    if fused:
-        from qoqtool.runtime import cuda_ops
-
-        fused = (cuda_ops.qk_rope_fits(q.shape[-1], rotation is not None) and _kernels() is not None
-                 and cuda_ops.has_qk_norm_rope())
-    if fused:
+    ops = _kernels() if (ENABLED and ROPE and q.is_cuda and q.dtype == k.dtype == cos.dtype == torch.float16
+                         and (not norms or (_plain_rmsnorm(q_norm) and _plain_rmsnorm(k_norm)
+                                            and q_norm.variance_epsilon == k_norm.variance_epsilon))
+                         and (shift is None or shift.dtype == torch.float32)) else None
+    if ops is not None and ops.qk_rope_fits(q.shape[-1], rotation is not None) and ops.has_qk_norm_rope():
         q, k = torch.ops.qoqtool.qk_norm_rope(
             q, k, cos.contiguous(), sin.contiguous(), q_norm.weight if norms else None, k_norm.weight if norms else None,
             float(q_norm.variance_epsilon) if norms else 0.0, None if rotation is None else rotation.to(q.dtype), shift)
@@ -198,8 +194,7 @@ def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
     if type(mlp.act_fn).__name__ in SILU and gate.dtype == up.dtype and _kernel_w4a8((down,), gate):
         form = None if rotation is None else _fused_rotation(rotation)
         if rotation is None or form is not None:
-            g, u = (t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))  # (halves of a merged GEMM: copied)
-            g, u = (t.clone() if t.data_ptr() % 16 else t for t in (g, u))
+            g, u = _aligned_rows(gate), _aligned_rows(up)  # (halves of a merged GEMM: copied)
             if form is None:
                 quantized = torch.ops.qoqtool.silu_mul_quantize(g, u, down.k_padded)
             else:
