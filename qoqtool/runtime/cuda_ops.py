@@ -843,10 +843,8 @@ def add_rmsnorm_quantize(x: Tensor, delta: Tensor, weight: Tensor, eps: float,
                          k_padded: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(h, *rmsnorm_quantize(h, weight, eps, k_padded)) for h = x + delta in fp16: the residual add
     before a norm, in the norm's kernel (bit for bit the two ops one after the other)."""
-    m, k = check_quantize(x, k_padded)
-    _expect("delta", delta, torch.float16, (m, k))
-    _expect("weight", weight, torch.float16, (k,))
-    _expect_device(x=x, delta=delta, weight=weight)
+    check_quantize(x, k_padded)
+    m, k = _check_norm(x, weight, delta)
     total = torch.empty_like(x)
     outs = _quantize_outputs(m, k_padded, x.device)
     if m:
