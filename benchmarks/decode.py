@@ -6,7 +6,7 @@ residual add before them) and its queries' and keys' RoPE run in qoqtool's fused
 
     python benchmarks/decode.py [--shapes smollm2-135m,llama2-7b,llama3-8b] [--batches 1,16,64]
                                 [--recipe R] [--context 1024] [--steps 64] [--eager] [--fused-pdl]
-                                [--profile] [--json PATH]
+                                [--baseline-library PATH.so] [--profile] [--json PATH]
 
 The models are the named architectures' shapes with random weights (no hub here; the speed of
 a step does not depend on the values): transformers builds the fp16 model on the GPU, which is
@@ -32,7 +32,10 @@ before 2026-12-07), where the recipe rotates down_proj's input and the two versi
 the Hadamard constructions differ for the shape (Llama-2's 11008: 2 x 5504 by FFT in version
 1, 32 x 344 in version 2, the default) with version 1's rotation ("hadamard 1"), and with
 --eager without a graph (the launch overhead the graph removes), with --fused-pdl with the small
-fused kernels as programmatic dependent launches ("fused PDL"); those columns give the replay
+fused kernels as programmatic dependent launches ("fused PDL"), with --baseline-library PATH (once
+or more) with the GEMMs and fused ops of another build of the kernel library (cuda_ops.use_library:
+an A/B of a kernel change in one process; the column is named after the file, "library NAME");
+those columns give the replay
 time and its ratio to the default's (fp16 torch ops: to the fp16 model's). --profile lists the
 kernels of one replayed step at the first batch size (torch.profiler): fp16, packed, packed
 with qk apart.
@@ -49,7 +52,7 @@ import time
 
 import torch
 
-from qoqtool.runtime import fusion
+from qoqtool.runtime import cuda_ops, fusion
 from qoqtool.runtime.mlp import configure_mlp
 from qoqtool.runtime.generate import model_kv_bits
 
@@ -225,6 +228,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="also the packed model's loop without a CUDA graph")
     ap.add_argument("--fused-pdl", action="store_true",
                     help="also the packed model with the fused kernels as dependent launches (cuda_ops.set_fused_dependent_launch)")
+    ap.add_argument("--baseline-library", action="append", default=[], metavar="PATH.so",
+                    help="also the packed model on another build of the kernel library (its GEMMs and fused ops); repeatable")
     ap.add_argument("--profile", action="store_true",
                     help="also the kernels of a replayed step of each model at the first batch size (torch.profiler)")
     ap.add_argument("--json", default=None)
@@ -259,11 +264,13 @@ def main() -> None:
             "unfused": timed(MERGE=False, ENABLED=False),  # nor any fused kernel
         }
         if args.fused_pdl:
-            from qoqtool.runtime import cuda_ops
-
             cuda_ops.set_fused_dependent_launch(True)
             apart["fused PDL"] = timed()
             cuda_ops.set_fused_dependent_launch(False)
+        for path in args.baseline_library:
+            cuda_ops.use_library(path)
+            apart["library " + path.rsplit("/", 1)[-1].removesuffix(".so")] = timed()
+            cuda_ops.use_library(None)
         eager = {b: time_steps(model, b, args.context, max(4, args.steps // 8), False) for b in batches} if args.eager else {}
         print(f"\n{shape}: fp16 (cuBLAS, KV16) vs packed {args.recipe} (qoqtool kernels, KV{model_kv_bits(model)})")
         print(f"{'batch':>5} | {'fp16 loop':>9} | {'W4A8KV4 loop':>12} | {'speedup':>7} | {'fp16 replay':>11} | "

@@ -248,9 +248,10 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
 // silu(gate) * up, rotated, quantized: the online down_proj rotation of the default recipe
 // (qoqtool.runtime.mlp) inside the quantization kernel instead of ~8 small kernels (an fp32 cast,
 // two tensordots with their permuted copies, the signs, the cast back). One CTA per token; the
-// row lives in shared memory as X [a, m] (index r m + c), and R = (S_a / sqrt(a)) (x) F diag(s)
-// acts as y = vec(S_a^T X F) * s / sqrt(a): S_a the Sylvester Hadamard matrix of order a = 32 RPL
-// (symmetric), F the scaled m x m factor as KroneckerRotation holds it (fp32), s the signs.
+// row lives in shared memory as X [a, m] (value r m + c at row r, column c), and R = (S_a / sqrt(a))
+// (x) F diag(s) acts as y = vec(S_a^T X F) * s / sqrt(a): S_a the Sylvester Hadamard matrix of order
+// a = 32 RPL (symmetric), F the scaled m x m factor as KroneckerRotation holds it (fp32), s the
+// signs (+-1).
 //  * S_a^T X: a warp per column (sylvester_columns);
 //  * X F, by the factor's order:
 //    - m <= kRotateMaxM (Llama-3 / Mistral 28, the demo 12): a thread per row on the CUDA cores,
@@ -260,7 +261,8 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
 //      cores, F = H / sqrt(m) with H the +-1 Hadamard factor given as sign bits -
 //      silu_mul_rotate_quantize_mma_kernel, below (runtime.fusion picks the form by m);
 // then fp16 (the unfused path casts the rotation back to the model's dtype) and the quantization of
-// row_quantize_kernel, to the same rules (rotate_quantize_tail). The sums run in another order than
+// row_quantize_kernel, to the same rules (the CUDA-core kernel from its registers, the tensor-core
+// one by rotate_quantize_tail). The sums run in another order than
 // the unfused path's GEMMs: codes may differ by one at rounding boundaries
 // (tests/test_kernels_fused.py bounds how often).
 constexpr int kRotateThreads = 512;
@@ -273,26 +275,26 @@ struct RotateParams {
   const __half* up;
   const float* factor;     // [m, m] (CUDA-core path)
   const uint32_t* hbits;   // [m][ceil(m / 32)]: bit k % 32 of word [n][k / 32] set <=> H[k, n] = -1 (tensor-core path)
-  const float* signs;      // [K]
+  const float* signs;      // [K], +-1 (the CUDA-core kernel reads only their sign bits)
   int M, K, Kp, a, m;
   int8_t* xq;
   __half* xs;
   int32_t* rowsum;
 };
 
-// S_a^T X in place for X = x as [a, m] in shared memory (a = 32 RPL), a warp per column (a
+// S_a^T X in place for X = x as [a, m] in shared memory, row r at r * pitch (a = 32 RPL), a warp per column (a
 // column's a values, RPL per lane: row 32 k + lane in register k), butterflies between rows r
 // and r + h in registers (h >= 32) and by shuffles (h < 32) - no barrier and no index arithmetic
 // between the log2(a) passes (a first version with a pass per barrier over the whole shared
 // row, its indices by division, took ~20 us a token at 14336 = 512 x 28 on an H200: slower than
 // the unfused kernels at batch 1 and 16).
 template <int RPL>
-__device__ __forceinline__ void sylvester_columns(float* x, int m) {
+__device__ __forceinline__ void sylvester_columns(float* x, int m, int pitch) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   for (int c = warp; c < m; c += kRotateThreads / kWarp) {
     float v[RPL];
 #pragma unroll
-    for (int k = 0; k < RPL; ++k) v[k] = x[(32 * k + lane) * m + c];
+    for (int k = 0; k < RPL; ++k) v[k] = x[(32 * k + lane) * pitch + c];
 #pragma unroll
     for (int h = 1; h < 32; h *= 2) {  // rows r and r + h: lanes lane and lane ^ h
       const bool upper = lane & h;
@@ -312,7 +314,7 @@ __device__ __forceinline__ void sylvester_columns(float* x, int m) {
           v[k + h] = u - w;
         }
 #pragma unroll
-    for (int k = 0; k < RPL; ++k) x[(32 * k + lane) * m + c] = v[k];
+    for (int k = 0; k < RPL; ++k) x[(32 * k + lane) * pitch + c] = v[k];
   }
 }
 
@@ -343,37 +345,116 @@ __device__ __forceinline__ void rotate_quantize_tail(const RotateParams& p, floa
   store_token(sum, scale.h, scratch_i, p.xs, p.rowsum, row);
 }
 
+// The CUDA-core form. One CTA per token is all the GPU runs at batch 1, so the kernel is one chain
+// of latencies; it is laid out to keep that chain short (version 3; version 2 took ~16 us a token
+// for Qwen3-8B's 12288 = 1024 x 12 in an H100 decode step, as long as a GEMM):
+//  * every global read is sent before the first one is used: the factor (cp.async), the signs of
+//    the rows this thread will own at the end, then gate and up as 16-byte vectors (version 2:
+//    scalar loads in loops, a round trip per few elements, and the signs read in the tail);
+//  * X sits in shared memory with an odd row pitch (m | 1), so a column's 32 lanes (sylvester_columns)
+//    and a row per lane (X F) each hit 32 different banks (with pitch m = 12 or 28: 4-way conflicts);
+//  * after S_a^T X, a thread multiplies its own rows by F and keeps the results in registers
+//    through the signs, the fp16 rounding, the token's |max| and the codes: the rotated row never
+//    goes back to shared memory, and each thread writes its rows' codes (m bytes, whole words
+//    when m % 4 == 0).
+// Bit for bit version 2's results: the same products in the same order.
+constexpr int kRotateLoadBatch = 4;  // gate / up vectors in flight per thread
+
+__device__ __forceinline__ float flip_if(float v, uint32_t negative) {
+  return __uint_as_float(__float_as_uint(v) ^ (negative << 31));
+}
+
 template <int RPL, int MMAX>
-__global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kernel(const RotateParams p) {
-  extern __shared__ float rotate_smem[];  // the row [K], then F [m][m4]
+__global__ void __launch_bounds__(kRotateThreads, 1) silu_mul_rotate_quantize_kernel(const RotateParams p) {
+  constexpr int kRows = ceil_div(32 * RPL, kRotateThreads);  // rows of X a thread owns in X F (a = 32 RPL)
+  extern __shared__ float rotate_smem[];  // X [a][pitch], then F [m][m4]
   __shared__ float scratch_f[32];
   __shared__ int scratch_i[32];
   pdl_launch_dependents();
-  const int m = p.m, m4 = (m + 3) & ~3;
+  const int m = p.m, m4 = (m + 3) & ~3, pitch = m | 1, a = p.a;
   float* x = rotate_smem;
-  float* f = rotate_smem + p.K;
+  float* f = rotate_smem + a * pitch;
   const size_t row = blockIdx.x;
+
+  // F, zero-padded to m4 columns (float4 reads below), by cp.async: no registers held for it.
   for (int i = threadIdx.x; i < m * m4; i += kRotateThreads) {
     const int c = i / m4, j = i - c * m4;
-    f[i] = j < m ? p.factor[c * m + j] : 0.f;
+    if (j < m) {
+      cp_async_4(smem_u32(f + i), p.factor + c * m + j);
+    } else {
+      f[i] = 0.f;
+    }
   }
-  for (int i = threadIdx.x; i < p.K; i += kRotateThreads) {
-    const float g = __half2float(p.gate[row * p.K + i]), u = __half2float(p.up[row * p.K + i]);
-    x[i] = round_fp16(__fdividef(g, 1.f + __expf(-g)) * u);  // as qoq_silu_mul_quantize
-  }
-  __syncthreads();
-  sylvester_columns<RPL>(x, m);
-  __syncthreads();
-  // (S_a^T X) F, a thread per row (in place: a thread owns its rows).
-  if (m > 1) {
-    for (int r = threadIdx.x; r < p.a; r += kRotateThreads) {
-      float out[MMAX];
+  cp_async_commit();
+  // The signs (+-1) of this thread's rows r = threadIdx.x + kRotateThreads * t (used after X F;
+  // kept as bits once they have arrived).
+  float sign[kRows][MMAX];
 #pragma unroll
-      for (int j = 0; j < MMAX; ++j) out[j] = 0.f;
+  for (int t = 0; t < kRows; ++t) {
+    const int r = threadIdx.x + kRotateThreads * t;
+#pragma unroll
+    for (int c = 0; c < MMAX; ++c) sign[t][c] = r < a && c < m ? __ldg(p.signs + r * m + c) : 0.f;
+  }
+  // silu(gate) * up into X: 8 values a vector (K = a m is a multiple of 32), value i at row i / m,
+  // column i % m.
+  const int vectors = p.K / kVec;
+  const __half* gate = p.gate + row * p.K;
+  const __half* up = p.up + row * p.K;
+  for (int base = threadIdx.x; base < vectors; base += kRotateLoadBatch * kRotateThreads) {
+    uint4 g[kRotateLoadBatch], u[kRotateLoadBatch];
+#pragma unroll
+    for (int b = 0; b < kRotateLoadBatch; ++b) {
+      const int v = base + b * kRotateThreads;
+      if (v < vectors) {
+        g[b] = __ldg(reinterpret_cast<const uint4*>(gate) + v);
+        u[b] = __ldg(reinterpret_cast<const uint4*>(up) + v);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kRotateLoadBatch; ++b) {
+      const int v = base + b * kRotateThreads;
+      if (v >= vectors) break;
+      const __half2* gh = reinterpret_cast<const __half2*>(&g[b]);
+      const __half2* uh = reinterpret_cast<const __half2*>(&u[b]);
+      int r = v * kVec / m, c = v * kVec - r * m;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float gv = e % 2 ? __high2float(gh[e / 2]) : __low2float(gh[e / 2]);
+        const float uv = e % 2 ? __high2float(uh[e / 2]) : __low2float(uh[e / 2]);
+        x[r * pitch + c] = round_fp16(__fdividef(gv, 1.f + __expf(-gv)) * uv);  // as qoq_silu_mul_quantize
+        if (++c == m) {
+          c = 0;
+          ++r;
+        }
+      }
+    }
+  }
+  uint32_t negative[kRows] = {};
+#pragma unroll
+  for (int t = 0; t < kRows; ++t)
+#pragma unroll
+    for (int c = 0; c < MMAX; ++c) negative[t] |= static_cast<uint32_t>(sign[t][c] < 0.f) << c;
+  cp_async_wait_all();
+  __syncthreads();
+  sylvester_columns<RPL>(x, m, pitch);
+  __syncthreads();
+
+  // (S_a^T X) F for this thread's rows, then y = fp16(. / sqrt(a) * s), s = +-1 a sign flip (exact,
+  // as the product): kept as fp16 pairs.
+  const float scale_all = rsqrtf(static_cast<float>(a));
+  __half2 y[kRows][MMAX / 2];
+  float amax = 0.f;
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) {
+    const int r = threadIdx.x + kRotateThreads * t;
+    float out[MMAX];
+#pragma unroll
+    for (int j = 0; j < MMAX; ++j) out[j] = 0.f;
+    if (r < a) {
 #pragma unroll
       for (int c = 0; c < MMAX; ++c) {
         if (c >= m) break;
-        const float in = x[r * m + c];
+        const float in = x[r * pitch + c];
 #pragma unroll
         for (int j = 0; j < MMAX; j += 4) {
           if (j >= m) break;
@@ -384,13 +465,45 @@ __global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_kerne
           out[j + 3] = fmaf(in, w.w, out[j + 3]);
         }
       }
+    }
+#pragma unroll
+    for (int j = 0; j < MMAX; j += 2) {  // (columns past m, and rows past a, are zeros)
+      const float y0 = round_fp16(flip_if(out[j] * scale_all, negative[t] >> j & 1u));
+      const float y1 = round_fp16(flip_if(out[j + 1] * scale_all, negative[t] >> (j + 1) & 1u));
+      amax = fmaxf(amax, fmaxf(fabsf(y0), fabsf(y1)));
+      y[t][j / 2] = __floats2half2_rn(y0, y1);
+    }
+  }
+  const TokenScale scale = token_scale(amax, scratch_f);
+
+  // The codes of this thread's rows at r m .. r m + m - 1; the padding K .. Kp zeroed by all.
+  int sum = 0;
+  int8_t* out = p.xq + row * p.Kp;
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) {
+    const int r = threadIdx.x + kRotateThreads * t;
+    if (r >= a) break;
+    uint32_t packed[MMAX / 4] = {};
+#pragma unroll
+    for (int j = 0; j < MMAX; ++j) {
+      if (j >= m) break;
+      const __half2 pair = y[t][j / 2];
+      const int q = token_code(j % 2 ? __high2float(pair) : __low2float(pair), scale.f);
+      sum += q;
+      packed[j / 4] |= (static_cast<uint32_t>(q) & 0xFFu) << (8 * (j % 4));
+    }
+    if (m % 4 == 0) {  // r m is then a multiple of 4, and the row's base is (Kp % 32 == 0)
+#pragma unroll
+      for (int w = 0; w < MMAX / 4; ++w)
+        if (4 * w < m) *reinterpret_cast<uint32_t*>(out + r * m + 4 * w) = packed[w];
+    } else {
 #pragma unroll
       for (int j = 0; j < MMAX; ++j)
-        if (j < m) x[r * m + j] = out[j];
+        if (j < m) out[r * m + j] = static_cast<int8_t>(packed[j / 4] >> (8 * (j % 4)));
     }
-    __syncthreads();
   }
-  rotate_quantize_tail(p, x, rsqrtf(static_cast<float>(p.a)), row, scratch_f, scratch_i);
+  for (int i = p.K + 4 * threadIdx.x; i < p.Kp; i += 4 * kRotateThreads) *reinterpret_cast<uint32_t*>(out + i) = 0u;
+  store_token(sum, scale.h, scratch_i, p.xs, p.rowsum, row);
 }
 
 // The tensor-core form, for factors F = H / sqrt(m) of an even order up to kRotateMaxBitsM, H +-1. The
@@ -483,14 +596,14 @@ __global__ void __launch_bounds__(kRotateThreads) silu_mul_rotate_quantize_mma_k
       }
   }
   __syncthreads();
-  sylvester_columns<RPL>(z, m);
+  sylvester_columns<RPL>(z, m, m);
   __syncthreads();
   rotate_quantize_tail(p, z, rsqrtf(static_cast<float>(a)) * rsqrtf(static_cast<float>(m)), row, scratch_f, scratch_i);
 }
 
 template <int RPL, int MMAX>
 cudaError_t launch_rotate(const RotateParams& p, cudaStream_t stream) {
-  const int smem = 4 * (p.K + p.m * ((p.m + 3) & ~3));
+  const int smem = 4 * (p.a * (p.m | 1) + p.m * ((p.m + 3) & ~3));
   const auto kernel = silu_mul_rotate_quantize_kernel<RPL, MMAX>;
   QOQ_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<p.M, kRotateThreads, smem, stream>>>(p);
@@ -529,7 +642,7 @@ inline bool rotate_shape_ok(int K, int Kp, int a, int m) {
 
 using qoq::fused::Op;
 
-// gate, up [M, K] fp16; factor [m, m] fp32; signs [K] fp32; K = a * m with a a power of two from
+// gate, up [M, K] fp16; factor [m, m] fp32; signs [K] fp32, +-1; K = a * m with a a power of two from
 // 32 to 1024 and m <= kRotateMaxM (m = 1: no dense factor); the row in shared memory.
 extern "C" int qoq_silu_mul_rotate_quantize(const __half* gate, const __half* up, const float* factor, const float* signs,
                                             int M, int K, int Kp, int a, int m, int8_t* xq, __half* xs,

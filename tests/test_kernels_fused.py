@@ -120,10 +120,11 @@ def test_silu_mul_quantize_matches_fp32_product(m, k, kp):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,kp", [(1, 14336, 14336), (5, 1536, 1536), (64, 14336, 14336), (3, 512, 512),
-                                    (2, 28672, 28672), (7, 1536, 1664)])
+                                    (2, 28672, 28672), (7, 1536, 1664), (1, 12288, 12288), (16, 12288, 12288)])
 def test_silu_mul_rotate_quantize_matches_the_unfused_rotation(m, k, kp):
     """The down_proj rotation of the default recipe (runtime.mlp.KroneckerRotation: Sylvester
-    x a Paley factor, e.g. 14336 = 512 x 28, 1536 = 128 x 12; 512 has no second factor) fused
+    x a Paley factor, e.g. 14336 = 512 x 28, 1536 = 128 x 12, Qwen3-8B's 12288 = 1024 x 12 and
+    Llama-3-70B's 28672 = 1024 x 28 with two rows of X per thread; 512 has no second factor) fused
     with the SiLU product and the quantization: the codes of the unfused rotation, to rounding."""
     from qoqtool.runtime.mlp import KroneckerRotation
 
@@ -133,6 +134,27 @@ def test_silu_mul_rotate_quantize_matches_the_unfused_rotation(m, k, kp):
     product = (torch.nn.functional.silu(gate.float()) * up.float()).half()
     y = rotation(product)  # fp32 inside, back to fp16: what down_proj's quantization sees unfused
     got = torch.ops.qoqtool.silu_mul_rotate_quantize(gate, up, factor.contiguous(), rotation.signs, a, kp)
+    check_against_reference(got, y, kp, exact=False)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("a,order,kp", [(32, 3, 128), (64, 5, 384), (1024, 7, 7168), (128, 30, 3840), (32, 32, 1024)])
+def test_silu_mul_rotate_quantize_takes_any_factor_order(a, order, kp):
+    """Factors of any order up to 32, not only the Hadamard orders KroneckerRotation builds (1 and
+    multiples of 4): odd orders write their codes byte by byte, rows of X start anywhere in a
+    word. The reference is the op's definition, vec(H_a^T X F) diag(s) / sqrt(a) in fp32."""
+    from qoqtool.transforms.hadamard import build_factor
+
+    k, m = a * order, 3
+    gate, up = random_rows(m, k, 1), random_rows(m, k, 2)
+    g = torch.Generator(device="cuda").manual_seed(order)
+    factor = torch.linalg.qr(torch.randn(order, order, generator=g, device="cuda"))[0].contiguous()
+    signs = torch.where(torch.rand(k, generator=g, device="cuda") < 0.5, -1.0, 1.0)
+    product = (torch.nn.functional.silu(gate.float()) * up.float()).half().float()
+    h = build_factor(a, "sylvester", 2).to("cuda", torch.float32)
+    y = ((h.t() @ product.reshape(m, a, order) @ factor).reshape(m, k) * signs / a**0.5).half()
+    got = torch.ops.qoqtool.silu_mul_rotate_quantize(gate, up, factor, signs, a, kp)
     check_against_reference(got, y, kp, exact=False)
 
 

@@ -979,8 +979,8 @@ def silu_mul_rotate_quantize(gate: Tensor, up: Tensor, factor: Tensor, signs: Te
                              k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
     """quantize_per_token(fp16(fp16(silu(gate) * up) R)) with R = (H_a / sqrt(a)) (x) factor
     diag(signs), H_a Sylvester's Hadamard matrix of order a = `sylvester` (a power of two, 32..1024) and
-    `factor` the m x m fp32 second factor (K = a m; m = 1: none) - qoqtool.runtime.mlp's online
-    down_proj rotation, in the quantization kernel."""
+    `factor` the m x m fp32 second factor (K = a m; m = 1: none) and `signs` +-1 - qoqtool.runtime.mlp's
+    online down_proj rotation, in the quantization kernel."""
     m, k = check_quantize(gate, k_padded, "gate")
     _expect("up", up, torch.float16, (m, k))
     order = factor.shape[0] if factor.dim() == 2 else 0
