@@ -137,6 +137,9 @@ if [ -n "${JOBS:-}" ]; then
                  #   whole-kernels  the packed folder through the kernels on the same whole windows (every
                  #              linear at M = 256: the wgmma kernels)
                  #   kernels    the packed folder through the kernels, by decoding
+                 #   kernels-fp16  the same with its float parts in fp16 (--dtype float16), as generate serves
+                 #              it: the norms, the SiLU product and the down_proj rotation fused into the
+                 #              kernels' quantization, queries and keys through qk_norm_rope
                  #   unfused    the same with QOQTOOL_FUSED_OUTLIERS=0 (dense kernel + separate sparse product)
                  #   reference  the reference linears (fp32, on the GPU) by decoding, KV4 cache and attention kernel
                  #   cpu        the packed folder on this host's CPU by decoding: the exact CPU reference path
@@ -168,6 +171,8 @@ if [ -n "${JOBS:-}" ]; then
               whole-kernels) timeout 100 qoqtool eval "$q-packed" "${W[@]}" --device cuda --json "$OUT/whole-kernels-$name.json" ;;
               kernels) timeout 200 qoqtool eval "$q-packed" "${W[@]}" --device cuda --decode-batch 16 \
                          --json "$OUT/decode-kernels-$name.json" ;;
+              kernels-fp16) timeout 200 qoqtool eval "$q-packed" "${W[@]}" --device cuda --dtype float16 --decode-batch 16 \
+                              --json "$OUT/decode-kernels-fp16-$name.json" ;;
               unfused) QOQTOOL_FUSED_OUTLIERS=0 timeout 200 qoqtool eval "$q-packed" "${W[@]}" --device cuda --decode-batch 16 \
                          --json "$OUT/decode-kernels-unfused-$name.json" ;;
               reference) timeout 200 qoqtool eval "$q" "${W[@]}" --device cuda --decode-batch 16 \

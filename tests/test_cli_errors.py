@@ -98,6 +98,13 @@ def test_unknown_task(tiny_folder):
     assert_user_error(proc, "unknown task", "wikitext2")
 
 
+@pytest.mark.parametrize("dtype, words", [("float64", ("unknown --dtype 'float64'", "float16")),
+                                          ("float16", ("--dtype float16 needs --device cuda",))])
+def test_eval_dtype(tiny_folder, dtype, words):
+    proc = run_cli("eval", str(tiny_folder), "--tasks", "fidelity", "--dtype", dtype)
+    assert_user_error(proc, *words)
+
+
 def test_data_dir_without_files(tmp_path, tiny_folder):
     empty = tmp_path / "data"
     empty.mkdir()

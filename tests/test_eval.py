@@ -159,9 +159,27 @@ def test_comparing_two_models_reports_fidelity_for_b(monkeypatch, capsys):
     original, quant = tiny_model("qwen3", seed=2), tiny_model("qwen3", seed=2)
     quantize_model(quant, load_recipe("rtn-w4a8kv4-g64"), torch.randint(0, 128, (2, 24)))
     models = {"a": LoadedModel(original, None, "original", "a"), "b": LoadedModel(quant, None, "quantized", "b")}
-    monkeypatch.setattr(runner, "load_any", lambda spec, device: models[spec])
+    monkeypatch.setattr(runner, "load_any", lambda spec, device, dtype: models[spec])
     res = runner.run_eval(["a", "b"], ["fidelity"], EvalSettings(fidelity_samples=2, fidelity_seqlen=16), "cpu", False)
     assert res["results"]["a"] == {} and res["difference"] == {}
     assert 0 < res["results"]["b"]["fidelity"]["kl"] and res["results"]["b"]["fidelity"]["original"] == "a"
     table = capsys.readouterr().out
     assert "kl" in table and "top1" in table
+
+
+def test_eval_loads_models_in_the_asked_dtype(monkeypatch):
+    """--dtype reaches the loader for every model, and the original that fidelity compares with."""
+    from qoqtool.eval import runner
+    from qoqtool.eval.tasks import EvalSettings
+    from qoqtool.runtime.loading import LoadedModel
+
+    asked = []
+
+    def load_any(spec, device, dtype):
+        asked.append((spec, dtype))
+        model = tiny_model("llama", seed=3).to(getattr(torch, dtype))
+        return LoadedModel(model, None, "original" if spec == "a" else "packed", spec, {"source_model": "a"})
+
+    monkeypatch.setattr(runner, "load_any", load_any)
+    runner.run_eval(["b"], ["fidelity"], EvalSettings(fidelity_samples=1, fidelity_seqlen=8, dtype="bfloat16"), "cpu", False)
+    assert asked == [("b", "bfloat16"), ("a", "bfloat16")]

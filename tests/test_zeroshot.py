@@ -185,7 +185,7 @@ def test_comparison_reports_score_differences_only(monkeypatch):
     from qoqtool.runtime.loading import LoadedModel
 
     by_spec = {"A": fake_results(0.60, 0.50), "B": fake_results(0.55, 0.52)}
-    monkeypatch.setattr(runner, "load_any", lambda spec, device: LoadedModel(None, None, "original", spec))
+    monkeypatch.setattr(runner, "load_any", lambda spec, device, dtype: LoadedModel(None, None, "original", spec))
 
     def evaluate(loaded, tasks, settings, device, show_progress, baseline=None):
         res = copy.deepcopy(by_spec[loaded.spec])

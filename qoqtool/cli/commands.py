@@ -186,6 +186,12 @@ def evaluate(
              "attention). Same windows and score; seqlen times as many steps."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="QOQTOOL_DATA_DIR", help="Local copies of the data sets."),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    dtype: str = typer.Option(
+        "float32", "--dtype",
+        help="float32, float16 or bfloat16: the float tensors (embeddings, norms, residual stream) of an original "
+             "model or a packed folder; a quantized folder computes in float32. float16 on a GPU is how "
+             "`qoqtool generate` serves a packed model, with the norms, SiLU product and rotations fused into the "
+             "kernels' quantization (those kernels take fp16 only)."),
     fidelity_samples: int = typer.Option(8, "--fidelity-samples", help="Held-out sequences for the fidelity task."),
     fidelity_seqlen: int = typer.Option(512, "--fidelity-seqlen", help="Tokens per fidelity sequence."),
     seed: int = typer.Option(0, "--seed", help="Seed of the fidelity text."),
@@ -215,6 +221,8 @@ def evaluate(
       qoqtool eval smollm2-135m smol-qoq --tasks wikitext2 --max-windows 20
 
       qoqtool eval smol-qoq-packed --device cuda --decode-batch 16 --max-windows 32
+
+      qoqtool eval smol-qoq-packed --device cuda --dtype float16 --decode-batch 16   # as served
     """
     ui.reserve_stdout(json_out)
     from qoqtool.eval.runner import run_eval
@@ -234,6 +242,7 @@ def evaluate(
         batch_size=batch_size,
         num_fewshot=num_fewshot,
         decode_batch=decode_batch,
+        dtype=dtype,
     )
     if max_windows is not None and max_windows < 1:
         raise UserError(f"--max-windows must be at least 1 (got {max_windows})")
@@ -243,6 +252,10 @@ def evaluate(
         raise UserError("--fidelity-samples must be >= 1 and --fidelity-seqlen >= 8")
     check_task_data(task_list, settings)
     device = _check_device(device)
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise UserError(f"unknown --dtype {dtype!r}; use float32, float16 or bfloat16")
+    if dtype != "float32" and not device.startswith("cuda"):
+        raise UserError(f"--dtype {dtype} needs --device cuda (the CPU reference path computes in float32)")
     for m in models:
         _check_model_argument(m)
 

@@ -11,7 +11,7 @@ from qoqtool.packing import folder as fs
 from qoqtool.runtime.loading import LoadedModel, load_any
 
 
-def _original_for(loaded: LoadedModel, baseline: LoadedModel | None, device: str) -> LoadedModel:
+def _original_for(loaded: LoadedModel, baseline: LoadedModel | None, device: str, dtype: str) -> LoadedModel:
     if baseline is not None:
         return baseline
     if loaded.kind == "original":
@@ -19,7 +19,7 @@ def _original_for(loaded: LoadedModel, baseline: LoadedModel | None, device: str
             "fidelity compares a quantized model with its original; pass a folder written by "
             "qoqtool quantize/pack, or two models (original first)"
         )
-    return load_any(loaded.source_model, device=device)
+    return load_any(loaded.source_model, device=device, dtype=dtype)
 
 
 def evaluate_model(
@@ -39,7 +39,7 @@ def evaluate_model(
         res["seconds"] = round(time.perf_counter() - t0, 1)
         results["wikitext2"] = res
     if "fidelity" in tasks:
-        original = _original_for(loaded, baseline, device)
+        original = _original_for(loaded, baseline, device, settings.dtype)
         text = held_out_text(original.model, settings.fidelity_samples, settings.fidelity_seqlen, settings.seed)
         with ui.progress_bar(f"fidelity {label}", show_progress) as bar:
             results["fidelity"] = fidelity(original.model, loaded.model, text, bar)
@@ -100,7 +100,7 @@ def print_paths(spec: str, paths: dict[str, int]) -> None:
 
 
 def run_eval(models: list[str], tasks: list[str], settings: EvalSettings, device: str, show_progress: bool) -> dict:
-    loaded = [load_any(spec, device=device) for spec in models]
+    loaded = [load_any(spec, device=device, dtype=settings.dtype) for spec in models]
     config = {k: v for k, v in vars(settings).items()}
     if len(loaded) == 1:
         res, paths = counting_linear_paths(lambda: evaluate_model(loaded[0], tasks, settings, device, show_progress))

@@ -28,6 +28,7 @@ class EvalSettings:
     batch_size: int = 16
     num_fewshot: int = 0
     decode_batch: int | None = None  # wikitext2 by teacher-forced decoding, this many windows at a time
+    dtype: str = "float32"  # the float tensors of original models and packed folders (runtime.loading.load_any)
 
 
 def zero_shot_tasks() -> tuple[str, ...]:

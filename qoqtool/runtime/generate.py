@@ -271,7 +271,7 @@ def score_paged(model, windows: torch.Tensor, page_size: int = 64, use_kernels: 
     total = torch.zeros((), dtype=torch.float64, device=device)
     for t in range(steps - 1):
         logits = decode(windows[:, t])
-        total += F.cross_entropy(logits, windows[:, t + 1], reduction="sum").double()
+        total += F.cross_entropy(logits.float(), windows[:, t + 1], reduction="sum").double()
         if progress:
             progress(t + 1, steps - 1)
     return float(total)
