@@ -187,6 +187,10 @@ if [ -n "${JOBS:-}" ]; then
               *) echo "unknown evaluation $e" ;;
             esac 2>&1 | tail -2
           done
+          # every decoded run of this model against the CPU reference path, window by window
+          local runs=("$OUT"/decode-{kernels,kernels-fp16,kernels-unfused,reference}-$name.json)
+          [ -f "$OUT/decode-cpu-reference-$name.json" ] && python3 benchmarks/compare_ppl.py \
+            "$OUT/decode-cpu-reference-$name.json" $(ls "${runs[@]}" 2> /dev/null)
         }
         case " ${DECODE_CHAINS:-g128 outliers1} " in *" g128 "*) chain g128 > "$L/decode-g128.log" 2>&1 & ;; esac
         case " ${DECODE_CHAINS:-g128 outliers1} " in

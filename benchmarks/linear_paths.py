@@ -90,7 +90,7 @@ def main(path: str, data_dir: str, out: str, device: str) -> None:
         json.dump(rows, f)
     for fused_path in (True, False):
         cuda_ops.FUSED_OUTLIERS = fused_path
-        print("fused" if fused_path else "unfused", "nll40", score_paged(model, windows[:, :40]))
+        print("fused" if fused_path else "unfused", "nll40", float(score_paged(model, windows[:, :40]).sum()))
     cuda_ops.FUSED_OUTLIERS = True
 
 

@@ -1,6 +1,7 @@
 """Perplexity protocol, fidelity, and calibration data sources."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -69,6 +70,7 @@ def test_perplexity_by_decoding_is_the_same_score(kv_bits, decode_batch):
     assert decoded["windows"] == 3 and decoded["decode_batch"] == decode_batch
     # (an fp16 cache, KV16, rounds the K/V the fp32 forward pass keeps exact: looser there)
     assert decoded["ppl"] == pytest.approx(full["ppl"], rel=1e-5 if kv_bits < 16 else 5e-4)
+    assert decoded["window_nll"] == pytest.approx(full["window_nll"], rel=1e-5 if kv_bits < 16 else 5e-4)  # window by window
     assert steps[-1] == ("decode steps", -(-3 // decode_batch) * 31, -(-3 // decode_batch) * 31)
     if kv_bits < 16:  # KV4 is really in both paths: without it the score moves
         plain = tiny_decoder("llama", seed=7)
@@ -183,3 +185,42 @@ def test_eval_loads_models_in_the_asked_dtype(monkeypatch):
     monkeypatch.setattr(runner, "load_any", load_any)
     runner.run_eval(["b"], ["fidelity"], EvalSettings(fidelity_samples=1, fidelity_seqlen=8, dtype="bfloat16"), "cpu", False)
     assert asked == [("b", "bfloat16"), ("a", "bfloat16")]
+
+
+def test_paired_ratio_is_the_perplexity_ratio_with_the_windows_spread():
+    """B / A of two results of the same windows is exactly ppl_B / ppl_A; its error is the spread
+    of the per-window differences (zero when B is A shifted by the same amount in every window),
+    not of the windows' own NLLs."""
+    from qoqtool.eval.perplexity import _result, paired_ratio
+
+    a = _result([310.0, 250.0, 420.0, 180.0], seqlen=101)
+    shifted = _result([n + 2.0 for n in a["window_nll"]], seqlen=101)
+    ratio, stderr = paired_ratio(a, shifted)
+    assert ratio == pytest.approx(shifted["ppl"] / a["ppl"], rel=1e-12) and ratio == pytest.approx(math.exp(0.02))
+    assert stderr == pytest.approx(0.0, abs=1e-12)
+    noisy = _result([311.0, 249.0, 422.0, 180.0], seqlen=101)
+    d = [0.01, -0.01, 0.02, 0.0]  # per-token differences per window
+    mean = sum(d) / 4
+    ratio, stderr = paired_ratio(a, noisy)
+    assert ratio == pytest.approx(math.exp(mean))
+    assert stderr == pytest.approx(math.exp(mean) * (sum((x - mean) ** 2 for x in d) / 3 / 4) ** 0.5)
+    assert paired_ratio(_result([5.0], 11), _result([6.0], 11))[1] is None
+    with pytest.raises(ValueError, match="same windows"):
+        paired_ratio(a, _result([1.0, 2.0], seqlen=101))
+
+
+def test_comparing_two_models_reports_the_paired_perplexity_ratio(monkeypatch):
+    from qoqtool.eval import runner
+    from qoqtool.eval.perplexity import _result
+    from qoqtool.eval.tasks import EvalSettings
+    from qoqtool.runtime.loading import LoadedModel
+
+    monkeypatch.setattr(runner, "load_any", lambda spec, device, dtype: LoadedModel(spec, None, "original", spec))
+    monkeypatch.setattr(runner, "wikitext2_test_ids", lambda tokenizer, data_dir: None)
+    nll = {"a": [100.0, 120.0, 90.0], "b": [101.0, 122.0, 90.0]}
+    monkeypatch.setattr(runner, "perplexity", lambda model, *args: _result(nll[model], seqlen=11))
+    res = runner.run_eval(["a", "b"], ["wikitext2"], EvalSettings(), "cpu", False)
+    diff = res["difference"]["wikitext2"]
+    assert diff["ppl_ratio"] == pytest.approx(res["results"]["b"]["wikitext2"]["ppl"] / res["results"]["a"]["wikitext2"]["ppl"])
+    assert diff["ppl_ratio_stderr"] > 0
+

@@ -50,7 +50,7 @@ def perplexity(
             raise UserError(f"--decode-batch must be at least 1 (got {decode_batch})")
         from qoqtool.runtime.generate import score_paged
 
-        total_nll = 0.0
+        window_nll: list[float] = []
         starts = range(0, windows, decode_batch)
         for i, first in enumerate(starts):
             batch = torch.stack([ids[w * seqlen : (w + 1) * seqlen] for w in range(first, min(windows, first + decode_batch))])
@@ -60,28 +60,49 @@ def perplexity(
                     progress("decode steps", before + done, len(starts) * steps)
 
             try:
-                total_nll += score_paged(model, batch, progress=steps_done)
+                window_nll += score_paged(model, batch, progress=steps_done).tolist()
             except ValueError as err:  # a model the paged cache cannot hold (head_dim, KV bits)
                 raise UserError(f"{err}: evaluate this model without --decode-batch") from err
-        return _result(total_nll, windows, seqlen) | {"decode_batch": decode_batch}
+        return _result(window_nll, seqlen) | {"decode_batch": decode_batch}
     device = next(model.parameters()).device
-    total_nll = 0.0
+    window_nll = []
     for w in range(windows):
         x = ids[w * seqlen : (w + 1) * seqlen].unsqueeze(0).to(device)
         logits = model(x, use_cache=False).logits[0, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum")
-        total_nll += float(nll)
+        window_nll.append(float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum")))
         if progress:
             progress("windows", w + 1, windows)
-    return _result(total_nll, windows, seqlen)
+    return _result(window_nll, seqlen)
 
 
-def _result(total_nll: float, windows: int, seqlen: int) -> dict:
-    scored = windows * (seqlen - 1)
+def _result(window_nll: list[float], seqlen: int) -> dict:
+    """window_nll: each window's summed NLL (seqlen - 1 scored tokens each), kept in the result so
+    that two evaluations of the same windows can be compared window by window (paired_ratio)."""
+    scored = len(window_nll) * (seqlen - 1)
+    nll = math.fsum(window_nll) / scored
     return {
-        "ppl": math.exp(total_nll / scored),
-        "nll": total_nll / scored,
-        "tokens": windows * seqlen,
-        "windows": windows,
+        "ppl": math.exp(nll),
+        "nll": nll,
+        "tokens": len(window_nll) * seqlen,
+        "windows": len(window_nll),
         "seqlen": seqlen,
+        "window_nll": window_nll,
     }
+
+
+def paired_ratio(a: dict, b: dict) -> tuple[float, float | None]:
+    """B's perplexity over A's, and its standard error over the windows, for two wikitext2
+    results (perplexity()'s) of the same windows. Paired: the error is that of the mean
+    per-window difference of the two models' NLL, which is what separates two close models (or
+    two paths through one model) on a sample of windows - far smaller than either perplexity's
+    own sampling error, which is mostly how hard the windows' text is. None with one window."""
+    if a.get("seqlen") != b.get("seqlen") or len(a.get("window_nll", ())) != len(b.get("window_nll", ())) or not a.get("window_nll"):
+        raise ValueError("paired_ratio compares two wikitext2 results of the same windows (seqlen and count)")
+    scored = a["seqlen"] - 1
+    diffs = [(nb - na) / scored for na, nb in zip(a["window_nll"], b["window_nll"])]
+    mean = math.fsum(diffs) / len(diffs)
+    ratio = math.exp(mean)
+    if len(diffs) < 2:
+        return ratio, None
+    var = math.fsum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return ratio, ratio * math.sqrt(var / len(diffs))  # (delta method: d exp(x) = exp(x) dx)

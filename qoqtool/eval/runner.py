@@ -6,6 +6,7 @@ import time
 
 from qoqtool.cli import ui
 from qoqtool.errors import UserError
+from qoqtool.eval.perplexity import paired_ratio, perplexity, wikitext2_test_ids
 from qoqtool.eval.tasks import EvalSettings, lm_eval_tasks
 from qoqtool.packing import folder as fs
 from qoqtool.runtime.loading import LoadedModel, load_any
@@ -27,7 +28,6 @@ def evaluate_model(
     baseline: LoadedModel | None = None,
 ) -> dict:
     from qoqtool.eval.fidelity import fidelity, held_out_text
-    from qoqtool.eval.perplexity import perplexity, wikitext2_test_ids
 
     results: dict[str, dict] = {}
     label = loaded.spec
@@ -125,6 +125,10 @@ def run_eval(models: list[str], tasks: list[str], settings: EvalSettings, device
                 rows.append([task, label, va, vb, vb - va])
             else:  # B's alone: fidelity, which is B measured against A
                 rows.append([task, label, "", vb, ""])
+    if "window_nll" in res_a.get("wikitext2", {}) and "window_nll" in res_b.get("wikitext2", {}):
+        ratio, stderr = paired_ratio(res_a["wikitext2"], res_b["wikitext2"])
+        diff["wikitext2"] |= {"ppl_ratio": ratio, "ppl_ratio_stderr": stderr}
+        rows.append(["wikitext2", "ppl B / A (± paired stderr)", "", ratio, "" if stderr is None else f"± {ui.fmt(stderr)}"])
     ui.table(f"{models[1]} against {models[0]}", ["task", "metric", "A", "B", "B - A"], rows)
     print_paths(models[0], paths_a)
     print_paths(models[1], paths_b)

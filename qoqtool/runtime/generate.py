@@ -251,9 +251,9 @@ def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits
 
 @torch.no_grad()
 def score_paged(model, windows: torch.Tensor, page_size: int = 64, use_kernels: bool | None = None,
-                progress=None, cuda_graph: bool | None = None) -> float:
-    """The summed negative log-likelihood of windows [B, T] (token t + 1 given tokens 0..t, the
-    first token context only), scored by teacher-forced decoding: all B windows advance one
+                progress=None, cuda_graph: bool | None = None) -> torch.Tensor:
+    """The summed negative log-likelihood of each of windows [B, T] (token t + 1 given tokens
+    0..t, the first token context only; float64 [B] on the CPU), scored by teacher-forced decoding: all B windows advance one
     token per step through a paged KV cache of the model's own KV bits, so every linear sees
     B tokens and attention runs the decode path - the serving regime, where a packed model on a
     GPU runs the small-M stream and fused sparse-dense GEMM kernels and the KV decode kernel.
@@ -268,13 +268,13 @@ def score_paged(model, windows: torch.Tensor, page_size: int = 64, use_kernels: 
     seqs = [cache.add_sequence() for _ in range(batch)]
     decode = DecodeSteps(adapter, cache, seqs, steps, cuda_graph)
     windows = windows.to(device)
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros(batch, dtype=torch.float64, device=device)
     for t in range(steps - 1):
         logits = decode(windows[:, t])
-        total += F.cross_entropy(logits.float(), windows[:, t + 1], reduction="sum").double()
+        total += F.cross_entropy(logits.float(), windows[:, t + 1], reduction="none").double()
         if progress:
             progress(t + 1, steps - 1)
-    return float(total)
+    return total.cpu()
 
 
 @torch.no_grad()
