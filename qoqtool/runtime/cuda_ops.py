@@ -1125,6 +1125,13 @@ def clear_quantization_cache() -> None:
     _last_input = None
 
 
+def aligned_rows(t: Tensor) -> Tensor:
+    """t as contiguous rows [tokens, features] whose base is 16-byte aligned (the kernels read
+    16-byte vectors; a view into a larger tensor may start anywhere)."""
+    x = t.reshape(-1, t.shape[-1]).contiguous()
+    return x.clone() if x.data_ptr() % 16 else x
+
+
 def _quantized_input(x: Tensor, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
     global _last_input
     share = SHARE_INPUT_QUANTIZATION and not torch.cuda.is_current_stream_capturing()
@@ -1132,10 +1139,7 @@ def _quantized_input(x: Tensor, k_padded: int) -> tuple[Tensor, Tensor, Tensor]:
         x0, version, kp, result = _last_input
         if x0 is x and version == x._version and kp == k_padded:
             return result
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.float16).contiguous()
-    if x2.data_ptr() % 16:
-        x2 = x2.clone()
-    result = torch.ops.qoqtool.quantize_per_token(x2, k_padded)
+    result = torch.ops.qoqtool.quantize_per_token(aligned_rows(x.to(torch.float16)), k_padded)
     _last_input = (x, x._version, k_padded, result) if share else None
     return result
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from qoqtool.packing.layout import PackedLayout
+from qoqtool.runtime.cuda_ops import aligned_rows
 from qoqtool.runtime.mlp import ROTATION
 from qoqtool.runtime.packed_linear import PackedLinear, _kernels
 
@@ -118,18 +119,11 @@ def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, norm_op, add_nor
     kernel: add_norm_op(h, delta) -> (r, *the same outputs) takes the add too where fuse_add and
     delta matches h; otherwise torch adds and norm_op(r) normalizes (rows 16-byte aligned)."""
     if delta is not None and fuse_add and delta.shape == h.shape and delta.dtype == h.dtype:
-        total, *outputs = add_norm_op(_aligned_rows(h), _aligned_rows(delta))
+        total, *outputs = add_norm_op(aligned_rows(h), aligned_rows(delta))
         return total.view(delta.shape), tuple(outputs)
     if delta is not None:
         h = h + delta
-    return h, tuple(norm_op(_aligned_rows(h)))
-
-
-def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """t as contiguous rows [tokens, features] whose base is 16-byte aligned (the fused kernels
-    read 16-byte vectors)."""
-    x = t.reshape(-1, t.shape[-1]).contiguous()
-    return x.clone() if x.data_ptr() % 16 else x
+    return h, tuple(norm_op(aligned_rows(h)))
 
 
 def rotary_queries_and_keys(parts, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -194,7 +188,7 @@ def mlp_output(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
     if type(mlp.act_fn).__name__ in SILU and gate.dtype == up.dtype and _kernel_w4a8((down,), gate):
         form = None if rotation is None else _fused_rotation(rotation)
         if rotation is None or form is not None:
-            g, u = _aligned_rows(gate), _aligned_rows(up)  # (halves of a merged GEMM: copied)
+            g, u = aligned_rows(gate), aligned_rows(up)  # (halves of a merged GEMM: copied)
             if form is None:
                 quantized = torch.ops.qoqtool.silu_mul_quantize(g, u, down.k_padded)
             else:
