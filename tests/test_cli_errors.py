@@ -98,7 +98,7 @@ def test_unknown_task(tiny_folder):
     assert_user_error(proc, "unknown task", "wikitext2")
 
 
-@pytest.mark.parametrize("dtype, words", [("float64", ("unknown --dtype 'float64'", "float16")),
+@pytest.mark.parametrize("dtype, words", [("float64", ("unknown dtype 'float64'", "float32, float16, bfloat16")),
                                           ("float16", ("--dtype float16 needs --device cuda",))])
 def test_eval_dtype(tiny_folder, dtype, words):
     proc = run_cli("eval", str(tiny_folder), "--tasks", "fidelity", "--dtype", dtype)

@@ -223,4 +223,3 @@ def test_comparing_two_models_reports_the_paired_perplexity_ratio(monkeypatch):
     diff = res["difference"]["wikitext2"]
     assert diff["ppl_ratio"] == pytest.approx(res["results"]["b"]["wikitext2"]["ppl"] / res["results"]["a"]["wikitext2"]["ppl"])
     assert diff["ppl_ratio_stderr"] > 0
-

@@ -227,6 +227,7 @@ def evaluate(
     ui.reserve_stdout(json_out)
     from qoqtool.eval.runner import run_eval
     from qoqtool.eval.tasks import EvalSettings, check_task_data, parse_tasks
+    from qoqtool.models.loading import parse_dtype
 
     task_list = parse_tasks(tasks)
     if len(models) > 2:
@@ -252,8 +253,7 @@ def evaluate(
         raise UserError("--fidelity-samples must be >= 1 and --fidelity-seqlen >= 8")
     check_task_data(task_list, settings)
     device = _check_device(device)
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise UserError(f"unknown --dtype {dtype!r}; use float32, float16 or bfloat16")
+    parse_dtype(dtype)  # (an unknown name: its one-line error)
     if dtype != "float32" and not device.startswith("cuda"):
         raise UserError(f"--dtype {dtype} needs --device cuda (the CPU reference path computes in float32)")
     for m in models:

@@ -253,10 +253,11 @@ def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits
 def score_paged(model, windows: torch.Tensor, page_size: int = 64, use_kernels: bool | None = None,
                 progress=None, cuda_graph: bool | None = None) -> torch.Tensor:
     """The summed negative log-likelihood of each of windows [B, T] (token t + 1 given tokens
-    0..t, the first token context only; float64 [B] on the CPU), scored by teacher-forced decoding: all B windows advance one
-    token per step through a paged KV cache of the model's own KV bits, so every linear sees
-    B tokens and attention runs the decode path - the serving regime, where a packed model on a
-    GPU runs the small-M stream and fused sparse-dense GEMM kernels and the KV decode kernel.
+    0..t, the first token context only; float64 [B] on the CPU), scored by teacher-forced
+    decoding: all B windows advance one token per step through a paged KV cache of the model's
+    own KV bits, so every linear sees B tokens and attention runs the decode path - the serving
+    regime, where a packed model on a GPU runs the small-M stream and fused sparse-dense GEMM
+    kernels and the KV decode kernel.
     Per-token KV quantization makes this the same model as the full-window forward pass; the
     two differ by rounding only. progress(done_steps, steps) after each step; cuda_graph as in
     generate_paged."""

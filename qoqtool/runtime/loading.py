@@ -108,9 +108,10 @@ def load_any(spec: str, device: str = "cpu", dtype: str = "float32") -> LoadedMo
         model = load_quantized_folder(path, manifest, device)
         kind = "quantized"
     elif fmt == "qoqtool-packed":
+        from qoqtool.models.loading import parse_dtype
         from qoqtool.packing.packed import load_packed_folder
 
-        model = load_packed_folder(path, manifest, device, getattr(torch, dtype))
+        model = load_packed_folder(path, manifest, device, parse_dtype(dtype))
         kind = "packed"
     else:
         raise UserError(f"{spec} has a qoqtool.json of unknown format {fmt!r}; it was written by another tool")
