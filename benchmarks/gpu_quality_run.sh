@@ -153,7 +153,10 @@ if [ -n "${JOBS:-}" ]; then
                  # (cpu, full-cpu: CPU_THREADS threads, default all; fewer when a GPU evaluation runs beside)
                  # DECODE_REUSE=1 evaluates the folders an earlier call of this job left in /tmp/q (one quantize
                  # and the evaluations need not fit one 600 s call; the machine must stay warm in between).
-        W=(--tasks wikitext2 --data-dir "$D" --seqlen "${DECODE_SEQLEN:-256}" --max-windows 16 -q)
+        # DECODE_WINDOWS (default 16) windows: 16 x 256 tokens are too few to resolve 0.2% (2026-12-07: blocks
+        # of 16 of one 128-window comparison read -1.4% to +1.0%; the 128 together +0.09% +- 0.20%), but the
+        # CPU path decodes 16 windows in ~100 s on 16 threads; the GPU evaluations take 128 in 20-50 s.
+        W=(--tasks wikitext2 --data-dir "$D" --seqlen "${DECODE_SEQLEN:-256}" --max-windows "${DECODE_WINDOWS:-16}" -q)
         F=(--tasks wikitext2 --data-dir "$D" -q)
         chain() {  # $1 = name, then extra quantize options
           local name=decode-$1 q=/tmp/q/decode-$1; shift
@@ -187,10 +190,14 @@ if [ -n "${JOBS:-}" ]; then
               *) echo "unknown evaluation $e" ;;
             esac 2>&1 | tail -2
           done
-          # every decoded run of this model against the CPU reference path, window by window
+          # every decoded run of this model against the CPU reference path, window by window, and the
+          # kernels' runs against the GPU's reference linears (both with each block of 16 windows' own ratio)
           local runs=("$OUT"/decode-{kernels,kernels-fp16,kernels-unfused,reference}-$name.json)
-          [ -f "$OUT/decode-cpu-reference-$name.json" ] && python3 benchmarks/compare_ppl.py \
-            "$OUT/decode-cpu-reference-$name.json" $(ls "${runs[@]}" 2> /dev/null)
+          local all=$(ls "${runs[@]}" 2> /dev/null) kernels=$(ls "${runs[@]:0:3}" 2> /dev/null)
+          [ -f "$OUT/decode-cpu-reference-$name.json" ] && [ -n "$all" ] && python3 benchmarks/compare_ppl.py \
+            --blocks 16 "$OUT/decode-cpu-reference-$name.json" $all
+          [ -f "$OUT/decode-reference-$name.json" ] && [ -n "$kernels" ] && python3 benchmarks/compare_ppl.py \
+            --blocks 16 "$OUT/decode-reference-$name.json" $kernels
         }
         case " ${DECODE_CHAINS:-g128 outliers1} " in *" g128 "*) chain g128 > "$L/decode-g128.log" 2>&1 & ;; esac
         case " ${DECODE_CHAINS:-g128 outliers1} " in

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,6 +208,25 @@ def test_paired_ratio_is_the_perplexity_ratio_with_the_windows_spread():
     assert paired_ratio(_result([5.0], 11), _result([6.0], 11))[1] is None
     with pytest.raises(ValueError, match="same windows"):
         paired_ratio(a, _result([1.0, 2.0], seqlen=101))
+
+
+def test_compare_ppl_prints_the_ratio_of_each_block_of_windows(tmp_path, monkeypatch, capsys):
+    """benchmarks/compare_ppl.py --blocks 2: the whole sample's ratio, then each pair of windows'
+    own (here 1% and 2% more NLL per token in the first pair, none in the second)."""
+    import runpy
+
+    from qoqtool.eval.perplexity import _result
+
+    a, b = [100.0, 200.0, 150.0, 120.0], [101.0, 202.0, 150.0, 120.0]  # seqlen 101: 100 scored tokens
+    for name, nll in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"results": {"wikitext2": _result(nll, seqlen=101)}}))
+    script = str(Path(__file__).parents[1] / "benchmarks" / "compare_ppl.py")
+    monkeypatch.setattr("sys.argv", [script, str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--blocks", "2"])
+    runpy.run_path(script, run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    whole = 100 * (math.exp(0.03 / 4) - 1)
+    assert f"{whole:+.3f}%" in lines[2]
+    assert lines[3].split("|")[1].split() == [f"{100 * (math.exp(0.015) - 1):+.2f}%", "+0.00%"]
 
 
 def test_comparing_two_models_reports_the_paired_perplexity_ratio(monkeypatch):
