@@ -48,9 +48,9 @@ def main() -> None:
         shown = "-" if stderr is None else f"{100 * stderr:.3f}%"
         print(f"{path[-50:]:>50} | {other['ppl']:>9.4f} | {100 * (ratio - 1):>+10.3f}% | {shown:>13}")
         if 0 < args.blocks < len(ref["window_nll"]):  # one block would repeat the line above
-            print(f"{'by ' + str(args.blocks) + ' windows':>50} | " + " ".join(
-                f"{100 * (paired_ratio(block(ref, i, args.blocks), block(other, i, args.blocks))[0] - 1):+.2f}%"
-                for i in range(0, len(ref["window_nll"]), args.blocks)))
+            starts = range(0, len(ref["window_nll"]), args.blocks)
+            ratios = [paired_ratio(block(ref, i, args.blocks), block(other, i, args.blocks))[0] for i in starts]
+            print(f"{'by ' + str(args.blocks) + ' windows':>50} | " + " ".join(f"{100 * (r - 1):+.2f}%" for r in ratios))
 
 
 def block(result: dict, start: int, size: int) -> dict:

@@ -192,8 +192,9 @@ if [ -n "${JOBS:-}" ]; then
           done
           # every decoded run of this model against the CPU reference path, window by window, and the
           # kernels' runs against the GPU's reference linears (both with each block of 16 windows' own ratio)
-          local runs=("$OUT"/decode-{kernels,kernels-fp16,kernels-unfused,reference}-$name.json)
-          local all=$(ls "${runs[@]}" 2> /dev/null) kernels=$(ls "${runs[@]:0:3}" 2> /dev/null)
+          local kernel_runs=("$OUT"/decode-{kernels,kernels-fp16,kernels-unfused}-$name.json)
+          local all=$(ls "${kernel_runs[@]}" "$OUT/decode-reference-$name.json" 2> /dev/null)
+          local kernels=$(ls "${kernel_runs[@]}" 2> /dev/null)
           [ -f "$OUT/decode-cpu-reference-$name.json" ] && [ -n "$all" ] && python3 benchmarks/compare_ppl.py \
             --blocks 16 "$OUT/decode-cpu-reference-$name.json" $all
           [ -f "$OUT/decode-reference-$name.json" ] && [ -n "$kernels" ] && python3 benchmarks/compare_ppl.py \
