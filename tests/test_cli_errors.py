@@ -121,6 +121,23 @@ def test_existing_output_needs_overwrite(tmp_path, tiny_folder):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
+def test_an_output_that_holds_the_input_is_refused_even_with_overwrite(tmp_path, tiny_folder):
+    """--overwrite replaces the output folder: never one that is or holds what the run reads."""
+    import shutil
+
+    parent = tmp_path / "models"
+    shutil.copytree(tiny_folder, parent / "tiny")
+    data = parent / "data"
+    data.mkdir()
+    for extra in ([], ["--data-dir", str(data)]):
+        source = str(parent / "tiny") if not extra else str(tiny_folder)
+        for out in ([str(parent)] if extra else [str(parent), str(parent / "tiny")]):
+            proc = run_cli("quantize", source, "-r", "rtn-w8a8", "--calib", "synthetic", "-o", out, "--overwrite", *extra)
+            assert_user_error(proc, f"the output {out} is or holds the input", "choose another output folder")
+    assert sorted(p.name for p in parent.iterdir()) == ["data", "tiny"]
+    assert sorted(p.name for p in (parent / "tiny").iterdir()) == sorted(p.name for p in tiny_folder.iterdir())
+
+
 @pytest.mark.parametrize("args, words", [(("eval", "x", "--json"), "'--json' requires an argument"),
                                          (("quantize", "x", "--bogus"), "No such option: --bogus")])
 def test_usage_errors_exit_2_without_traceback(args, words):

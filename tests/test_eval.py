@@ -136,6 +136,9 @@ def test_calibration_from_local_files(tmp_path):
     bad.write_text('{"content": "no text field"}\n')
     with pytest.raises(UserError, match='"text" field'):
         build_calibration(str(bad), _CharTokenizer(), 1, 8)
+    bad.write_text('{"text": "fine"}\n{"text": null}\n')
+    with pytest.raises(UserError, match='bad.jsonl:2: "text" is NoneType, not a string'):
+        build_calibration(str(bad), _CharTokenizer(), 1, 8)
     with pytest.raises(UserError, match="only"):
         build_calibration(str(txt), _CharTokenizer(), 1, 5000)
 

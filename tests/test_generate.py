@@ -14,7 +14,7 @@ from qoqtool.models.adapter import ModelAdapter
 from qoqtool.runtime import packed_linear
 from qoqtool.runtime.fusion import add_normed_linears, mlp_output, normed_linears
 from qoqtool.runtime.generate import (DecodeSteps, _decode, _prefill, generate_paged, generate_reference, load_step,
-                                      model_kv_bits, static_plan)
+                                      model_kv_bits, score_paged, static_plan)
 from qoqtool.runtime.kv_cache import KVCacheLayout, PagedKVCache
 from qoqtool.runtime.packed_linear import REFERENCE_PATH
 from test_kv_cache import tiny_decoder
@@ -122,6 +122,60 @@ def test_generate_refuses_a_head_dim_the_paged_cache_lacks(tmp_path, capsys):
     small = quantize_to(tiny_qwen2(), load_recipe("rtn-w4a8kv4-g128"), tmp_path / "q", tokens)  # head_dim 16
     code, _, err = cli(capsys, "generate", str(small))
     assert_one_line_error(code, err, "head_dim 16", "64 and 128")
+
+
+def windowed_mistral(window: int):
+    """tiny_decoder's Mistral with a sliding attention window of `window` tokens and KV4."""
+    from qoqtool.runtime.attention import enable_kv_quantization
+
+    model = tiny_decoder("mistral")
+    model.config.sliding_window = window
+    enable_kv_quantization(model, 4)
+    return model
+
+
+def test_paged_decoding_within_a_sliding_window_is_the_reference_and_refuses_past_it():
+    """Mistral attends through a sliding window that the paged cache does not implement: up to
+    the window (prompt 5 + 4 new tokens, the last not fed back: 8 in context) it decodes as the
+    model's forward does; one token more is refused before any work, by generate and by scoring."""
+    model, prompt = windowed_mistral(8), list(range(2, 7))
+    reference = generate_reference(model, [prompt], 4, keep_logits=True)
+    paged = generate_paged(model, [prompt], 4, page_size=16, keep_logits=True)
+    assert paged.tokens == reference.tokens
+    torch.testing.assert_close(paged.logits[0], reference.logits[0], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="9 tokens reaches past this model's sliding attention window"):
+        generate_paged(model, [prompt], 5, page_size=16)
+    windows = torch.randint(2, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="sliding attention window"):
+        score_paged(model, windows, page_size=16)
+    assert score_paged(model, windows[:, :9], page_size=16).shape == (2,)
+
+
+def test_cli_generate_refuses_to_decode_past_a_sliding_window(tmp_path, capsys):
+    model = windowed_mistral(8)
+    model.save_pretrained(tmp_path / "mistral")
+    word_tokenizer().save_pretrained(tmp_path / "mistral")
+    capsys.readouterr()  # (save_pretrained's own progress bar)
+    code, _, err = cli(capsys, "generate", str(tmp_path / "mistral"), "-p", "w2 w3 w4 w5 w6", "-n", "5")
+    assert_one_line_error(code, err, "9 tokens reaches past this model's sliding attention window (8 tokens)",
+                          "smaller --max-new-tokens")
+    code, out, err = cli(capsys, "generate", str(tmp_path / "mistral"), "-p", "w2 w3 w4 w5 w6", "-n", "4")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("arch, config, window", [
+    ("llama", {}, None),
+    ("mistral", {"sliding_window": 4096}, 4096),
+    ("mistral", {"sliding_window": None}, None),
+    ("qwen2", {"sliding_window": 4096}, None),  # (layer_types: every layer full attention)
+    ("qwen2", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0}, 4096),
+])
+def test_the_attention_window_is_the_one_transformers_applies(arch, config, window):
+    from transformers import AutoConfig
+
+    from qoqtool.models.adapter import attention_window
+
+    assert attention_window(AutoConfig.for_model(arch, num_hidden_layers=2, **config)) == window
 
 
 def test_generate_refuses_a_missing_model(tmp_path, capsys):

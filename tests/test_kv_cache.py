@@ -153,6 +153,10 @@ def test_paged_cache_allocates_pages_and_slots():
         cache.plan([a], [13])
     cache.free_sequence(b)
     assert cache.free_pages == 2
+    c = cache.add_sequence()
+    with pytest.raises(ValueError, match="this step needs 3 more pages, 2 are free"):
+        cache.plan([c, a], [17, 13])  # c would fit alone: a refused step takes nothing
+    assert cache.free_pages == 2 and cache.pages[c] == [] and cache.lengths == {a: 20, c: 0}
     cache.plan([a], [13])
     assert cache.lengths[a] == 33
 

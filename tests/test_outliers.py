@@ -134,6 +134,16 @@ def test_selection_keeps_exactly_the_budget_and_cuts_the_error(config, quads):
     assert _output_error(w, x, qw, sparse) <= _output_error(w, x, qn, SparseOutliers.from_mask(naive, w - qn.dequantize())) * 1.05
 
 
+@pytest.mark.parametrize("n, share", [(1, 0.05), (2, 0.2), (3, 0.3), (64, 0.9)])
+def test_the_count_is_exact_where_cells_hold_fewer_rows_than_an_entry(n, share):
+    """A row tile of 1-3 rows (or nearly every weight taken) gives cells that fill an entry's
+    four slots only partly: the selection still ends at exactly the count."""
+    w, imp = torch.randn(n, 576, generator=torch.Generator().manual_seed(n)), torch.rand(576)
+    count = round(share * n * 576)
+    mask = choose(w, imp, WeightScheme(WeightQuantConfig(4, 128, "progressive")), OutlierTarget(count=count))
+    assert int(mask.sum()) == count
+
+
 def test_quads_fill_their_entries():
     """Chosen in whole entries: every (32-row tile, column) cell holds a multiple of four,
     but for the few entries cut at the end of a greedy round."""

@@ -311,6 +311,10 @@ def test_pack_refuses_bad_input(tiny_folders, tmp_path, capsys):
     code, _, err = cli(capsys, "pack", str(tmp_path / "nope"), "-o", str(tmp_path / "z"))
     assert_one_line_error(code, err, "not a folder")
     assert not any(tmp_path.iterdir())  # nothing written
+    for out in (qdir, qdir.parent):  # --overwrite would delete the folder being packed
+        code, _, err = cli(capsys, "pack", str(qdir), "-o", str(out), "--overwrite")
+        assert_one_line_error(code, err, "is or holds the input", "choose another output folder")
+    assert (qdir / "qoqtool.json").is_file()
 
 
 def test_pack_overwrite_replaces_atomically(tiny_folders, tmp_path, capsys):

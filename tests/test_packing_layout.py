@@ -316,6 +316,15 @@ def test_bad_input():
     bad = dict(good, zero_x_scale1=good["zero_x_scale1"] | 1, scale1=torch.full_like(good["scale1"], 2))
     with pytest.raises(ValueError, match="not a multiple of scale1"):
         lay.unpack(bad)
+    # What the kernels assume of the group parameters is checked wherever packed tensors come in
+    # (check: PackedLinear's loader, unpack): z * s1 <= 128, 1 <= s1 <= 16.
+    s1 = torch.full_like(good["scale1"], 2)
+    for bad, words in [(dict(good, scale1=s1, zero_x_scale1=torch.full_like(s1, 130)), "reaches 130, above the kernels' 128"),
+                       (dict(good, scale1=torch.full_like(s1, 17), zero_x_scale1=torch.zeros_like(s1)), "outside the kernels' 1..16"),
+                       (dict(good, scale1=torch.zeros_like(s1)), "outside the kernels' 1..16")]:
+        with pytest.raises(ValueError, match=words):
+            lay.check(bad)
+    lay.check(dict(good, scale1=s1, zero_x_scale1=torch.full_like(s1, 128)))  # the bound itself is fine
     with pytest.raises(ValueError, match="does not fit"):
         PackedLayout("progressive", 32, 64, 64).pack(_quantized(WeightQuantConfig(4, 32, "progressive"), 32, 64))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from pathlib import Path
@@ -106,7 +107,9 @@ def quantize(
         raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
     device = _check_device(device)
     output = output or _default_output(model, recipe)
-    fs.check_output_dir(output, overwrite)
+    from qoqtool.data.sources import DATA_DIR_ENV
+
+    fs.check_output_dir(output, overwrite, inputs=(model, calib, data_dir or os.environ.get(DATA_DIR_ENV, "")))
     _check_model_argument(model)
     if calib in ("wikitext2", "pile"):
         from qoqtool.data import sources
@@ -314,7 +317,8 @@ def generate(
     with ui.err.status(f"loading {model} ..."):  # (transient: a refusal below stays one line)
         loaded = load_any(model, device=device, dtype="float16" if device == "cuda" else "float32")
     tokenizer = loaded.tokenizer
-    head_dim = ModelAdapter(loaded.model).head_dim
+    adapter = ModelAdapter(loaded.model)
+    head_dim = adapter.head_dim
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise UserError(f"{model} has head_dim {head_dim}; the paged KV cache holds head_dim "
                         f"{' and '.join(map(str, SUPPORTED_HEAD_DIMS))} only (use qoqtool.load(...).model.generate in Python)")
@@ -328,6 +332,10 @@ def generate(
         ids = [tokenizer(text)["input_ids"] for text in prompts]
     if any(len(x) == 0 for x in ids):
         raise UserError("a --prompt gave no tokens; give it some text")
+    try:
+        adapter.check_context(max(len(x) for x in ids) + max_new_tokens - 1)
+    except ValueError as err:
+        raise UserError(f"{err}; use a smaller --max-new-tokens or a shorter prompt") from err
     stop = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
     t0 = time.perf_counter()
     with ui.progress_bar("generate", enabled=not quiet) as bar:

@@ -94,6 +94,8 @@ def _jsonl_texts(path: Path, limit_chars: int) -> list[str]:
                 text = json.loads(line)["text"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise UserError(f'{path}:{lineno} is not a JSON object with a "text" field') from None
+            if not isinstance(text, str):
+                raise UserError(f'{path}:{lineno}: "text" is {type(text).__name__}, not a string; make it the document\'s text')
             docs.append(text)
             total += len(text)
             if total >= limit_chars:

@@ -38,6 +38,21 @@ def check_supported(config) -> None:
     )
 
 
+def attention_window(config) -> int | None:
+    """The sliding attention window that transformers applies to this model, or None: Mistral
+    whenever its config sets one (Mistral-7B-v0.1: 4096), Qwen2/Qwen3 only for layers marked
+    "sliding_attention" (use_sliding_window in older configs), Llama never."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    return int(window)
+
+
 @dataclass
 class LayerParts:
     """The named modules of one decoder layer."""
@@ -75,6 +90,15 @@ class ModelAdapter:
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_layers: int = cfg.num_hidden_layers
         self.intermediate_size: int = cfg.intermediate_size
+        self.attention_window: int | None = attention_window(cfg)
+
+    def check_context(self, tokens: int) -> None:
+        """ValueError if a sequence of `tokens` would reach past the model's sliding attention
+        window: the paged KV cache (runtime.generate) attends to the whole context, so past the
+        window it would compute another model than transformers' forward does."""
+        if self.attention_window is not None and tokens > self.attention_window:
+            raise ValueError(f"a sequence of {tokens} tokens reaches past this model's sliding attention window "
+                             f"({self.attention_window} tokens), which the paged KV cache does not implement")
 
     # -- whole-model pieces -------------------------------------------------------------
     @property

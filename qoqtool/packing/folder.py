@@ -29,9 +29,15 @@ from qoqtool.errors import UserError
 MANIFEST = "qoqtool.json"
 
 
-def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
-    """Fail early (before any work) if `out` exists and may not be replaced."""
+def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs=()) -> Path:
+    """Fail early (before any work) if `out` exists and may not be replaced, or if it is or
+    holds one of `inputs` (paths read by the run; names that are not local paths, such as hub
+    ids, are ignored): replacing it would delete what the run reads."""
     path = Path(out).expanduser()
+    for name in inputs:
+        source = Path(name).expanduser()
+        if name and source.exists() and path.resolve() in (source.resolve(), *source.resolve().parents):
+            raise UserError(f"the output {out} is or holds the input {name}; choose another output folder")
     if path.exists() and not overwrite:
         raise UserError(f"output {out} already exists; pass --overwrite to replace it or choose another folder")
     if path.exists() and not path.is_dir():

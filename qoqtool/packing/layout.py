@@ -157,6 +157,22 @@ def _pad_codes(codes: torch.Tensor, n_padded: int, k_padded: int, fill: torch.Te
     return pad_rows(codes, n_padded, 0)
 
 
+def check_progressive_params(scale1: torch.Tensor, zero_x_scale1: torch.Tensor) -> None:
+    """ValueError unless the progressive group parameters are what the kernels assume
+    (docs/format.md): 1 <= s1 <= 16, so that q * s1 <= 240 never carries into the next byte,
+    and z * s1 a multiple of s1 and at most 128, so that the biased byte q * s1 + 128 - z * s1
+    stays in [0, 255]. The quantizer keeps both; a folder that breaks them was not written by it."""
+    s1, zs1 = scale1.to(torch.int16), zero_x_scale1.to(torch.int16)
+    if s1.numel() == 0:
+        return
+    if int(s1.min()) < 1 or int(s1.max()) > 16:
+        raise ValueError(f"scale1 holds {int(s1.min())}..{int(s1.max())}, outside the kernels' 1..16")
+    if int(zs1.max()) > 128:
+        raise ValueError(f"zero_x_scale1 reaches {int(zs1.max())}, above the kernels' 128")
+    if (zs1 % s1).any():
+        raise ValueError("zero_x_scale1 is not a multiple of scale1: the packed tensors are inconsistent")
+
+
 @dataclass(frozen=True)
 class PackedLayout:
     """How one linear is packed: its format, logical shape [N, K] and group size.
@@ -241,6 +257,8 @@ class PackedLayout:
             if tuple(t.shape) != shape or t.dtype != dtype:
                 got = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
                 raise ValueError(f"packed tensor {name!r} is {got}, expected {str(dtype).removeprefix('torch.')}{list(shape)}")
+        if self.kind == "progressive":
+            check_progressive_params(tensors["scale1"], tensors["zero_x_scale1"])
 
     # -- pack ---------------------------------------------------------------------------
     def pack(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -266,11 +284,10 @@ class PackedLayout:
             return packed
         s1 = pad_rows(weight.scale1, np_, 1)
         zs1 = pad_rows(weight.zero, np_, 0).to(torch.int16) * s1.to(torch.int16)  # what the kernel subtracts
-        if zs1.numel() and int(zs1.max()) > 255:
-            raise ValueError("zero * scale1 exceeds a byte (the quantizer keeps z <= 15, s1 <= 16)")
         packed["scale0"] = pad_rows(weight.scale0, np_, NEUTRAL_SCALE)
         packed["scale1"] = pack_group_params(s1)
-        packed["zero_x_scale1"] = pack_group_params(zs1.to(torch.uint8))
+        packed["zero_x_scale1"] = pack_group_params(zs1.clamp(max=255).to(torch.uint8))
+        check_progressive_params(packed["scale1"], packed["zero_x_scale1"])
         return packed
 
     # -- unpack -------------------------------------------------------------------------
@@ -289,8 +306,5 @@ class PackedLayout:
             scale = unpack_group_params(tensors["scale"])[:n]
             return UInt4Weight(codes, scale, unpack_group_params(tensors["zero"])[:n], g, k)
         s1 = unpack_group_params(tensors["scale1"])[:n].to(torch.int16)
-        zs1 = unpack_group_params(tensors["zero_x_scale1"])[:n].to(torch.int16)
-        if (s1 == 0).any() or (zs1 % s1.clamp(min=1)).any():
-            raise ValueError("zero_x_scale1 is not a multiple of scale1: the packed tensors are inconsistent")
-        zero = (zs1 // s1).to(torch.uint8)
+        zero = (unpack_group_params(tensors["zero_x_scale1"])[:n].to(torch.int16) // s1).to(torch.uint8)  # (checked: exact)
         return ProgressiveWeight(codes, tensors["scale0"][:n].contiguous(), s1.to(torch.uint8), zero, g, k)

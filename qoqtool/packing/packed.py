@@ -39,7 +39,8 @@ from qoqtool.runtime.packed_linear import TILE_COO_BUFFERS, PackedLinear
 
 FORMAT = "qoqtool-packed"
 # 2: fp16 outliers in Tile-COO; 3: attention key shifts; 4: down_proj weights that may include
-# an online input rotation (docs/format.md, section 8). Versions 1-3 are still read.
+# an online input rotation; 5: the Hadamard constructions' version (docs/format.md, section 8).
+# Every version is still read.
 FORMAT_VERSION = 5  # docs/format.md, section 8
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 WEIGHTS_FILE = "model.safetensors"
@@ -81,9 +82,7 @@ def pack_folder(quantized_dir: str, out: str, outliers: OutlierBudget | None = N
     t0 = time.perf_counter()
     src = Path(quantized_dir).expanduser()
     manifest = _source_manifest(src, quantized_dir)
-    target = fs.check_output_dir(out, overwrite)
-    if target.resolve() == src.resolve():
-        raise UserError(f"the output {out} is the quantized folder itself; choose another output folder")
+    fs.check_output_dir(out, overwrite, inputs=(quantized_dir,))
     weights, floats = quantized.load_weights(src, manifest)
     stats = quantized.load_stats(src, manifest)  # verified before it is copied
     sparse = quantized.load_outliers(src, manifest)

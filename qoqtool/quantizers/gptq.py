@@ -77,10 +77,11 @@ def gptq_quantize(
     h = torch.zeros(kp, kp, dtype=torch.float32, device=w.device)
     h[:k, :k] = hessian.to(w.device, torch.float32)
 
-    scheme.prepare(w if outliers is None else outliers.fit_view(w))
     dead = torch.diag(h) == 0  # channels never active (and the padding): pin them to zero
     h[dead, dead] = 1
     w[:, dead] = 0
+    # After the pinning: a large weight on a dead channel must not widen its row's grid.
+    scheme.prepare(w if outliers is None else outliers.fit_view(w))
 
     groups = kp // g
     clip_of = (lambda i: 1.0) if clip is None else (lambda i: clip[:, i : i + 1].to(w.device))

@@ -459,11 +459,12 @@ def select(sel: _Selection, target: OutlierTarget, curve: bool = False):
             sel.keep(flat)
             taken.append(picked)
     else:
-        remaining = min(int(target.count), sel.available)
-        for r in range(ROUNDS):
-            take = math.ceil(remaining / (ROUNDS - r))
-            if take == 0:
-                break
+        remaining, r = min(int(target.count), sel.available), 0
+        # ROUNDS rounds, then (cells that hold fewer rows than an entry's four slots take fewer
+        # weights than asked) whole rounds of what is left, as long as they take any.
+        while remaining > 0:
+            take = math.ceil(remaining / max(ROUNDS - r, 1))
+            r += 1
             gains, pos = sel.offers(limit=pool * take, shortlist=4 * int(target.count))
             if target.quads:
                 flat, picked = sel.take_in_cells(*_best_entries(gains, sel.cells(pos), sel.fill, take=take))

@@ -220,6 +220,7 @@ def generate_paged(model, prompts: list[list[int]], max_new_tokens: int, kv_bits
     progress(done_steps, max_new_tokens) after each step. cuda_graph: decode steps replayed
     from a CUDA graph (DecodeSteps; default: on a GPU)."""
     adapter = ModelAdapter(model)
+    adapter.check_context(max(len(p) for p in prompts) + max_new_tokens - 1)  # (the last new token is not fed back)
     device = adapter.embed_tokens.weight.device
     bits = model_kv_bits(model) if kv_bits is None else kv_bits
     layout = KVCacheLayout(bits, adapter.head_dim, adapter.num_kv_heads, page_size)
@@ -264,6 +265,7 @@ def score_paged(model, windows: torch.Tensor, page_size: int = 64, use_kernels: 
     adapter = ModelAdapter(model)
     device = adapter.embed_tokens.weight.device
     batch, steps = windows.shape
+    adapter.check_context(steps - 1)  # (the last token is only predicted)
     layout = KVCacheLayout(model_kv_bits(model), adapter.head_dim, adapter.num_kv_heads, page_size)
     cache = PagedKVCache(layout, adapter.num_layers, pages_needed([steps] * batch, page_size), device, use_kernels)
     seqs = [cache.add_sequence() for _ in range(batch)]

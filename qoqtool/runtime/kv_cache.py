@@ -272,13 +272,13 @@ class PagedKVCache:
         the page table only if a sequence took a new page (else None), for a caller that keeps
         the previous step's (a graphed decode loop: building it is most of a step's host time)."""
         size = self.layout.page_size
+        needs = [self.pages_for(self.lengths[seq] + n, size) - len(self.pages[seq]) for seq, n in zip(seqs, new_tokens)]
+        if sum(needs) > len(self._free):  # (before any sequence grows: a refused step leaves the cache as it was)
+            raise ValueError(f"the KV cache is full: this step needs {sum(needs)} more pages, "
+                             f"{len(self._free)} are free; allocate more pages")
         slots, grew = [], False
-        for seq, n in zip(seqs, new_tokens):
+        for seq, n, need in zip(seqs, new_tokens, needs):
             start = self.lengths[seq]
-            need = self.pages_for(start + n, size) - len(self.pages[seq])
-            if need > len(self._free):
-                raise ValueError(f"the KV cache is full: sequence {seq} needs {need} more pages, "
-                                 f"{len(self._free)} are free; allocate more pages")
             self.pages[seq].extend(self._free.pop() for _ in range(need))
             grew |= need > 0
             slots.extend(self.pages[seq][p // size] * size + p % size for p in range(start, start + n))
