@@ -109,21 +109,28 @@ def recipe_from_dict(data: dict, origin: str = "<dict>", check_params: bool = Tr
 
     if not isinstance(data, dict) or "name" not in data or "weights" not in data:
         raise UserError(f"recipe {origin} needs at least 'name' and 'weights'")
+    for key, example in (("weights", "{bits: 4, scheme: progressive, group_size: 128}"), ("activations", "{bits: 8}"),
+                         ("kv_cache", "{bits: 4}")):
+        if key in data and not isinstance(data[key], dict) and not (key != "weights" and data[key] is None):
+            raise UserError(f"recipe {origin}: {key} is a mapping such as {example}, not {data[key]!r}")
     w = data["weights"]
+    group_size = w.get("group_size") or None
+    if group_size is not None and (not _is_int(group_size) or group_size < 32 or group_size & (group_size - 1)):
+        raise UserError(f"recipe {origin}: weights.group_size is null (per channel) or a power of two from 32 "
+                        f"(the packed format's k-tiles, the kernels' group shift), not {group_size!r}")
+    bits = _bits(w, 4, "weights", origin)
     try:
-        weights = WeightQuantConfig(
-            bits=int(w.get("bits", 4)),
-            group_size=w.get("group_size") or None,
-            scheme=w.get("scheme", "asymmetric"),
-        )
+        weights = WeightQuantConfig(bits=bits, group_size=group_size, scheme=w.get("scheme", "asymmetric"))
     except (ValueError, TypeError) as err:
         raise UserError(f"recipe {origin}: weights: {err}") from None
-    act_bits = int((data.get("activations") or {}).get("bits", 16))
-    kv_bits = int((data.get("kv_cache") or {}).get("bits", 16))
+    act_bits = _bits(data.get("activations") or {}, 16, "activations", origin)
+    kv_bits = _bits(data.get("kv_cache") or {}, 16, "kv_cache", origin)
     if act_bits not in (8, 16):
         raise UserError(f"recipe {origin}: activations.bits must be 8 or 16, not {act_bits}")
     if kv_bits not in (4, 8, 16):
         raise UserError(f"recipe {origin}: kv_cache.bits must be 4, 8 or 16, not {kv_bits}")
+    if not isinstance(data.get("steps") or [], list):
+        raise UserError(f"recipe {origin}: steps is a list, one '- name: {{params}}' item per step, in the order they run")
     steps = []
     for entry in data.get("steps") or []:
         if isinstance(entry, str):
@@ -133,6 +140,10 @@ def recipe_from_dict(data: dict, origin: str = "<dict>", check_params: bool = Tr
         (name, params), = entry.items()
         if name not in STEPS:
             raise UserError(f"recipe {origin}: unknown step {name!r}; known steps: {', '.join(STEPS)}")
+        if any(step.name == name for step in steps):
+            raise UserError(f"recipe {origin}: step {name} appears twice; give it once, with all its parameters")
+        if params is not None and not isinstance(params, dict):
+            raise UserError(f"recipe {origin}: step {name}'s parameters are a mapping such as {{}}, not {params!r}")
         try:
             if check_params:
                 step_params(name, dict(params or {}))  # unknown or bad parameters fail here, before any work
@@ -149,3 +160,14 @@ def recipe_from_dict(data: dict, origin: str = "<dict>", check_params: bool = Tr
         steps=steps,
         description=str(data.get("description", "")).strip(),
     )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bits(section: dict, default: int, key: str, origin: str) -> int:
+    bits = section.get("bits", default)
+    if not _is_int(bits):
+        raise UserError(f"recipe {origin}: {key}.bits is a whole number, not {bits!r}")
+    return bits

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qoqtool.data import sources
-from qoqtool.data.calibration import build_calibration, sample_synthetic
+from qoqtool.data.calibration import build_calibration, sample_synthetic, validate_args
 from qoqtool.errors import UserError
 from qoqtool.eval.fidelity import fidelity
 from qoqtool.eval.perplexity import perplexity
@@ -139,6 +139,14 @@ def test_calibration_from_local_files(tmp_path):
     bad.write_text('{"text": "fine"}\n{"text": null}\n')
     with pytest.raises(UserError, match='bad.jsonl:2: "text" is NoneType, not a string'):
         build_calibration(str(bad), _CharTokenizer(), 1, 8)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café au lait ".encode("latin-1") * 50)
+    with pytest.raises(UserError, match="latin1.txt is not UTF-8 text .byte 3"):
+        build_calibration(str(latin1), _CharTokenizer(), 1, 8)
+    csv = tmp_path / "corpus.csv"
+    csv.write_text("a,b\n")
+    with pytest.raises(UserError, match="corpus.csv must be .txt or .jsonl"):
+        validate_args(str(csv), 1, 8)  # (what quantize checks before it loads the model)
     with pytest.raises(UserError, match="only"):
         build_calibration(str(txt), _CharTokenizer(), 1, 5000)
 

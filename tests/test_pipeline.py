@@ -109,6 +109,51 @@ def test_calibration_uses_quantized_previous_layers():
     assert not torch.allclose(fp_stats["q_proj"].absmax, quant_stats.absmax)
 
 
+def test_a_model_a_step_cannot_take_is_refused_before_any_work():
+    """hidden size 172 has no Hadamard matrix: check_recipe_fits (what quantize runs right after
+    loading the model, before gathering calibration text) says so; a recipe without the rotate
+    step fits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qoqtool.calibration.pipeline import check_recipe_fits
+    from qoqtool.errors import UserError
+
+    config = AutoConfig.for_model("llama", hidden_size=172, intermediate_size=256, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UserError, match="hidden size 172 has no Hadamard rotation"):
+        check_recipe_fits(model, load_recipe("qoq-w4a8kv4-g128"))
+    check_recipe_fits(model, load_recipe("rtn-w4a8kv4-g128"))
+
+
+@pytest.mark.parametrize("window", [8, None])
+def test_the_runner_gives_each_layer_its_own_attention_mask(window):
+    """Qwen2 with sliding-window layers from layer 1 on (use_sliding_window, max_window_layers):
+    the model hands those layers another mask than layer 0's. Run layer by layer on windows
+    longer than the sliding window, the runner reproduces the model's own hidden states."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qoqtool.calibration.runner import capture_first_layer_inputs, run_layer
+    from qoqtool.models.adapter import ModelAdapter
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=128, use_sliding_window=window is not None,
+                                  sliding_window=window, max_window_layers=1)
+    config.architectures = ["Qwen2ForCausalLM"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 128, (3, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(tokens, use_cache=False, output_hidden_states=True).hidden_states
+    inputs = capture_first_layer_inputs(ModelAdapter(model), tokens, "cpu")
+    assert (inputs.layer_masks is None) == (window is None)
+    for i in range(3):
+        inputs.layer = i
+        inputs.hidden = run_layer(model.model.layers[i], inputs, "cpu")
+        if i < 2:  # (the last hidden state is after the final norm)
+            torch.testing.assert_close(inputs.hidden, expected[i + 1], atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("sequential", [True, False])
 def test_true_sequential_calibrates_each_linear_on_its_quantized_inputs(sequential):
     """gptq.true_sequential: every linear's statistics are those of its input in the finished

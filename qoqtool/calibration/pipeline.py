@@ -109,6 +109,16 @@ def solve_linear(weight: torch.Tensor, stats: InputStats, recipe: Recipe, solver
     return scheme.quantize(weight, clip)
 
 
+def check_recipe_fits(model: torch.nn.Module, recipe: Recipe) -> None:
+    """A one-line UserError, before any work, for a model that one of the recipe's steps cannot
+    take (a size without a Hadamard matrix, say): called as soon as the model is loaded, so
+    that calibration text is not gathered or sampled for nothing."""
+    adapter = ModelAdapter(model)
+    for step in recipe.steps:
+        if STEPS[step.name].check is not None:
+            STEPS[step.name].check(adapter, step_params(step.name, step.params))
+
+
 @torch.no_grad()
 def quantize_model(
     model: torch.nn.Module,
@@ -158,6 +168,7 @@ def quantize_model(
     all_stats: dict[str, InputStats] = {}
     report: dict[str, dict] = {}
     for i in range(adapter.num_layers):
+        inputs.layer = i  # (its attention mask, where layers attend differently)
         parts = adapter.parts(i)
         parts.layer.to(device)
         ctx = LayerContext(i, adapter, parts, inputs, device, recipe, batch_size, log)

@@ -43,37 +43,75 @@ class _Catcher(nn.Module):
 
 @dataclass
 class LayerInputs:
-    """Hidden states entering one layer ([N, L, H] on the CPU) and the layer kwargs."""
+    """Hidden states entering one layer ([N, L, H] on the CPU) and the layer kwargs.
+
+    layer_masks: where layers attend differently (Qwen2/Qwen3 with sliding-window layers, or
+    any config whose `layer_types` mix kinds), each layer's attention_mask, which replaces the
+    one in kwargs for `layer`, the layer these hidden states enter; None: kwargs' own for all."""
 
     hidden: torch.Tensor
     kwargs: dict = field(default_factory=dict)
+    layer_masks: list | None = None
+    layer: int = 0
 
 
 @torch.no_grad()
 def capture_first_layer_inputs(adapter: ModelAdapter, tokens: torch.Tensor, device) -> LayerInputs:
     """Embed all calibration samples and capture what layer 0 receives."""
-    model, layers = adapter.model, adapter.layers
-    first = layers[0]
-    catcher = _Catcher(first)
-    layers[0] = catcher
-    # Everything before layer 0 (embeddings, rotary tables) runs on the device briefly.
+    catcher = _Catcher(adapter.layers[0])
+    with _standing_in(adapter, catcher, device):
+        for i in range(tokens.shape[0]):
+            _run_to_layer0(adapter, tokens[i : i + 1], device)
+        layer_masks = _layer_masks(adapter, catcher, tokens[:1], device)
+    kwargs = {k: _to_device(v, "cpu") for k, v in (catcher.kwargs or {}).items()}
+    hidden = torch.cat(catcher.inputs)
+    return LayerInputs(hidden.to(device) if fits_on_device(hidden, device) else hidden, kwargs, layer_masks)
+
+
+@contextmanager
+def _standing_in(adapter: ModelAdapter, catcher: _Catcher, device):
+    """The catcher in layer 0's place, and everything before layer 0 (embeddings, rotary
+    tables) on the device, for as long as the block runs."""
+    layers, first = adapter.layers, adapter.layers[0]
     pre = [adapter.embed_tokens, adapter.decoder.rotary_emb] if hasattr(adapter.decoder, "rotary_emb") else [adapter.embed_tokens]
+    layers[0] = catcher
     for module in pre:
         module.to(device)
     try:
-        for i in range(tokens.shape[0]):
-            try:
-                model(tokens[i : i + 1].to(device), use_cache=False)
-            except _StopForward:
-                pass
+        yield
     finally:
         layers[0] = first
         if str(device) != "cpu":
             for module in pre:
                 module.to("cpu")
-    kwargs = {k: _to_device(v, "cpu") for k, v in (catcher.kwargs or {}).items()}
-    hidden = torch.cat(catcher.inputs)
-    return LayerInputs(hidden.to(device) if fits_on_device(hidden, device) else hidden, kwargs)
+
+
+def _run_to_layer0(adapter: ModelAdapter, window: torch.Tensor, device) -> None:
+    try:
+        adapter.model(window.to(device), use_cache=False)
+    except _StopForward:
+        pass
+
+
+def _layer_masks(adapter: ModelAdapter, catcher: _Catcher, window: torch.Tensor, device) -> list | None:
+    """Each layer's attention_mask when the config's layer_types mix kinds, else None. The model
+    builds one mask per kind and hands layer i the one of layer_types[i]: captured by running
+    one window with layer 0 standing in for each kind in turn (a mask depends on the window's
+    length, not on its tokens)."""
+    types = getattr(adapter.config, "layer_types", None)
+    if not types or len(set(types)) == 1:
+        return None
+    first_type, first_kwargs, masks = types[0], catcher.kwargs, {}
+    try:
+        for kind in dict.fromkeys(types):
+            types[0] = catcher.attention_type = kind
+            catcher.kwargs = None
+            _run_to_layer0(adapter, window, device)
+            catcher.inputs.pop()
+            masks[kind] = _to_device(catcher.kwargs.get("attention_mask"), "cpu")
+    finally:
+        types[0], catcher.attention_type, catcher.kwargs = first_type, first_type, first_kwargs
+    return [masks[kind] for kind in types]
 
 
 def fits_on_device(hidden: torch.Tensor, device) -> bool:
@@ -94,7 +132,10 @@ def _to_device(value, device):
 
 
 def layer_kwargs(inputs: LayerInputs, device) -> dict:
-    kwargs = {k: _to_device(v, device) for k, v in inputs.kwargs.items()}
+    kwargs = dict(inputs.kwargs)
+    if inputs.layer_masks is not None:
+        kwargs["attention_mask"] = inputs.layer_masks[inputs.layer]
+    kwargs = {k: _to_device(v, device) for k, v in kwargs.items()}
     for key in ("past_key_values", "past_key_value", "cache"):
         kwargs.pop(key, None)
     kwargs["use_cache"] = False

@@ -120,12 +120,13 @@ def quantize(
         if root is not None and calib == "pile":
             sources.require_file(root, sources.PILE_FILE, 'Pile validation as JSON lines with a "text" field')
 
-    from qoqtool.calibration.pipeline import quantize_model
+    from qoqtool.calibration.pipeline import check_recipe_fits, quantize_model
     from qoqtool.models.loading import load_model
     from qoqtool.packing import quantized
 
     ui.err.print(f"loading {model} ...")
     net, tokenizer, source = load_model(model, dtype="float32", device="cpu")
+    check_recipe_fits(net, rec)
     ui.err.print(f"calibration: {calib}, {calib_samples} x {calib_seqlen} tokens, seed {seed}")
     if calib == "synthetic" and device != "cpu":
         net.to(device)

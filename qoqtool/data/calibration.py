@@ -48,6 +48,7 @@ def validate_args(source: str, samples: int, seqlen: int) -> None:
             raise UserError(
                 f"--calib {source} is neither a known source ({', '.join(NAMED_SOURCES)}) nor an existing file"
             )
+        sources.check_local_suffix(path)
 
 
 def build_calibration(
@@ -82,6 +83,8 @@ def random_windows(ids: torch.Tensor, samples: int, seqlen: int, seed: int, sour
             f"calibration source {source} has only {ids.numel()} tokens; need more than --calib-seqlen {seqlen}"
         )
     gen = torch.Generator().manual_seed(seed)
+    # Starts in [0, n - seqlen), as GPTQ's reference sampler draws them (the last possible start
+    # is never drawn): kept so, since every recorded result was calibrated on these windows.
     starts = torch.randint(0, ids.numel() - seqlen, (samples,), generator=gen)
     return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
 

@@ -77,11 +77,19 @@ def pile_documents(root: Path | None, limit_chars: int) -> list[str]:
 
 def local_texts(path: Path, limit_chars: int) -> list[str]:
     """A local calibration file: .txt (one document) or .jsonl with a "text" field."""
-    if path.suffix == ".jsonl":
-        return _jsonl_texts(path, limit_chars)
-    if path.suffix == ".txt":
+    check_local_suffix(path)
+    try:
+        if path.suffix == ".jsonl":
+            return _jsonl_texts(path, limit_chars)
         return [path.read_text(encoding="utf-8")[: max(limit_chars, 1)]]
-    raise UserError(f"calibration file {path} must be .txt or .jsonl (with a \"text\" field)")
+    except UnicodeDecodeError as err:
+        raise UserError(f"calibration file {path} is not UTF-8 text (byte {err.start}: {err.reason}); "
+                        "convert it to UTF-8") from None
+
+
+def check_local_suffix(path: Path) -> None:
+    if path.suffix not in (".txt", ".jsonl"):
+        raise UserError(f"calibration file {path} must be .txt or .jsonl (with a \"text\" field)")
 
 
 def _jsonl_texts(path: Path, limit_chars: int) -> list[str]:

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from qoqtool.errors import UserError
 from qoqtool.packing import folder as fs
 from qoqtool.packing import quantized, tile_coo
-from qoqtool.packing.layout import PackedLayout
+from qoqtool.packing.layout import PackedLayout, check_progressive_params
 from qoqtool.quantizers.outliers import OutlierBudget, SparseOutliers
 from qoqtool.runtime.packed_linear import TILE_COO_BUFFERS, PackedLinear
 
@@ -322,7 +322,21 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
             tensors[name] = t.to(dtype)
     for name in entries:
         _check_tile_coo(tensors, name, manifest["linears"][name], file)
+    for name, meta in manifest["linears"].items():
+        _check_group_params(tensors, name, meta, file)
     return finish_loading(model, tensors, device, manifest["recipe"])
+
+
+def _check_group_params(tensors: dict[str, torch.Tensor], name: str, meta: dict, file: Path) -> None:
+    """What the kernels assume of a progressive linear's group parameters (layout.check_progressive_params),
+    checked before the kernels read them: values outside it would be silently wrong sums."""
+    scale1, zs1 = tensors.get(f"{name}.scale1"), tensors.get(f"{name}.zero_x_scale1")
+    if meta.get("kind") != "progressive" or scale1 is None or zs1 is None:
+        return  # (a missing tensor is reported by finish_loading)
+    try:
+        check_progressive_params(scale1, zs1)
+    except ValueError as err:
+        raise UserError(f"{file}: the group parameters of {name} are damaged ({err}); re-pack the folder") from None
 
 
 def _check_tile_coo(tensors: dict[str, torch.Tensor], name: str, meta: dict, file: Path) -> None:

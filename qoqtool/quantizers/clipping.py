@@ -30,6 +30,10 @@ class ClipParams:
     min_ratio: float = 0.5  # smallest range kept
     steps: int = 20  # candidates from 1.0 down to min_ratio
 
+    def __post_init__(self):
+        if not 0 < self.min_ratio <= 1 or self.steps < 1:
+            raise ValueError(f"min_ratio must lie in (0, 1] and steps be at least 1, not {self.min_ratio} and {self.steps}")
+
 
 register_step("clip", "solver", ClipParams)
 

@@ -37,6 +37,10 @@ class GPTQParams:
     # true_sequential). Off: one pass of the float layer serves all seven.
     true_sequential: bool = False
 
+    def __post_init__(self):
+        if self.damp < 0 or self.block_size < 1:
+            raise ValueError(f"damp must be >= 0 and block_size at least 1, not {self.damp} and {self.block_size}")
+
 
 register_step("gptq", "solver", GPTQParams)
 

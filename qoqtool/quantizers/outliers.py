@@ -668,13 +668,15 @@ def plan_outliers(budget: OutlierBudget, adapter, inputs, recipe, device, batch_
     if budget.kind == "threshold" or budget.scope == "layer":
         return layer_targets(budget, sizes)
 
-    from qoqtool.calibration.runner import LayerInputs
+    from dataclasses import replace
+
     from qoqtool.calibration.stats import collect_input_stats
 
     scheme, total = WeightScheme(recipe.weights), sum(sizes.values())
-    hidden = LayerInputs(inputs.hidden, inputs.kwargs)
+    hidden = replace(inputs)  # (the caller's inputs stay those of layer 0)
     curves = {}
     for i in layers:
+        hidden.layer = i
         parts = adapter.parts(i)
         parts.layer.to(device)
         stats, out = collect_input_stats(parts, hidden, device, batch_size=batch_size)
@@ -683,7 +685,7 @@ def plan_outliers(budget: OutlierBudget, adapter, inputs, recipe, device, batch_
             cap = OutlierTarget(count=curve_cap(budget, w.numel(), total))
             curves[name_of(i, n)] = select(_Selection(w, stats[n].mean_sq, scheme), cap, curve=True).cpu()
         parts.layer.to("cpu")
-        hidden = LayerInputs(out, inputs.kwargs)
+        hidden.hidden = out
     return global_targets(budget, curves, total)
 
 

@@ -22,13 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from qoqtool.calibration.steps import register_step
+from qoqtool.calibration.steps import check_linears, register_step
 from qoqtool.runtime.mlp import has_down_rotation
 
 
 @dataclass
 class ReorderParams:
     linears: tuple = ("o_proj", "down_proj")
+
+    def __post_init__(self):
+        check_linears(self.linears)
 
 
 def _permute_rows(linear, perm):

@@ -162,4 +162,4 @@ def _run(adapter, params, notes):
     rotate_model(adapter, params, notes)
 
 
-register_step("rotate", "model", RotateParams, _run)
+register_step("rotate", "model", RotateParams, _run, check_sizes)

@@ -30,6 +30,10 @@ from qoqtool.calibration.steps import register_step
 class SmoothAttentionParams:
     alpha: float = 0.5  # migration strength: lambda = max|K| ** alpha
 
+    def __post_init__(self):
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha must lie in [0, 1], not {self.alpha}")
+
 
 def attention_scales(key_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
     """lambda [kv_heads, d] from max|K| [kv_heads, d], tied across RoPE pairs (c, c + d/2)."""

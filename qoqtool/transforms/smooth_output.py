@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qoqtool.calibration.steps import register_step
+from qoqtool.calibration.steps import check_linears, register_step
 from qoqtool.quantizers.activations import fake_quantize_per_token
 from qoqtool.quantizers.schemes import WeightScheme
 from qoqtool.runtime.mlp import has_down_rotation
@@ -32,6 +32,11 @@ from qoqtool.runtime.mlp import has_down_rotation
 class SmoothOutputParams:
     grid: int = 20  # alpha candidates: 0, 1/grid, ..., (grid-1)/grid, and no smoothing
     linears: tuple = ("o_proj", "down_proj")
+
+    def __post_init__(self):
+        if self.grid < 1:
+            raise ValueError(f"grid must be at least 1, not {self.grid}")
+        check_linears(self.linears)
 
 
 def quantized_output_error(x: torch.Tensor, w: torch.Tensor, recipe, reference: torch.Tensor) -> float:
