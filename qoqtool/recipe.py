@@ -72,6 +72,10 @@ class Recipe:
         return f"{self.weights.describe()}, A{self.act_bits}, {kv}"
 
 
+# The top-level keys of a recipe (Recipe.to_dict writes all of them).
+RECIPE_KEYS = ("name", "description", "weights", "activations", "kv_cache", "steps")
+
+
 def saved_step(recipe: dict, name: str) -> dict | None:
     """The parameters of step `name` in a recipe as a manifest saves it (`Recipe.to_dict`),
     or None when the recipe has no such step."""
@@ -96,7 +100,9 @@ def load_recipe(name_or_path: str) -> Recipe:
         if not path.is_file():
             raise UserError(f"unknown recipe {name_or_path!r}; known recipes: {', '.join(known_recipes())}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise UserError(f"recipe {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     except yaml.YAMLError as err:
         raise UserError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from None
     return recipe_from_dict(data, str(path))
@@ -109,6 +115,9 @@ def recipe_from_dict(data: dict, origin: str = "<dict>", check_params: bool = Tr
 
     if not isinstance(data, dict) or "name" not in data or "weights" not in data:
         raise UserError(f"recipe {origin} needs at least 'name' and 'weights'")
+    unknown = sorted(set(data) - set(RECIPE_KEYS))
+    if unknown and check_params:  # (a saved recipe may come from another qoqtool)
+        raise UserError(f"recipe {origin}: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(RECIPE_KEYS)}")
     for key, example in (("weights", "{bits: 4, scheme: progressive, group_size: 128}"), ("activations", "{bits: 8}"),
                          ("kv_cache", "{bits: 4}")):
         if key in data and not isinstance(data[key], dict) and not (key != "weights" and data[key] is None):

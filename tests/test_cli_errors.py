@@ -70,6 +70,47 @@ def test_truncated_safetensors(tmp_path, tiny_folder):
     assert not (tmp_path / "out").exists()
 
 
+class _Payload:
+    """A pickle that writes a file when it is read."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_weights_are_refused_unread(tmp_path, tiny_folder):
+    import pickle
+    import shutil
+
+    folder = tmp_path / "pickled"
+    shutil.copytree(tiny_folder, folder)
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "the-pickle-ran"
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Payload(marker)))
+    for command in (("quantize", str(folder), "-r", "rtn-w8a8", "--calib", "synthetic", "-o", str(tmp_path / "out")),
+                    ("eval", str(folder), "--tasks", "fidelity")):
+        proc = run_cli(*command)
+        assert_user_error(proc, "holds no .safetensors weights (only pickles: pytorch_model.bin)", "safetensors only")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_weights_that_lack_tensors_are_refused(tmp_path, tiny_folder):
+    """transformers would fill a missing tensor with random values: refused instead, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "partial"
+    shutil.copytree(tiny_folder, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.q_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    proc = run_cli("eval", str(folder), "--tasks", "fidelity")
+    assert_user_error(proc, "lack 1 of the model's tensors (first: model.layers.0.self_attn.q_proj.weight)")
+
+
 def test_unknown_recipe_lists_known(tmp_path, tiny_folder):
     proc = run_cli("quantize", str(tiny_folder), "-r", "w3a3", "-o", str(tmp_path / "out"))
     assert_user_error(proc, "unknown recipe", "rtn-w4a8kv4-g128", "qoq-w4a8kv4-g128")
@@ -136,6 +177,53 @@ def test_an_output_that_holds_the_input_is_refused_even_with_overwrite(tmp_path,
             assert_user_error(proc, f"the output {out} is or holds the input", "choose another output folder")
     assert sorted(p.name for p in parent.iterdir()) == ["data", "tiny"]
     assert sorted(p.name for p in (parent / "tiny").iterdir()) == sorted(p.name for p in tiny_folder.iterdir())
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["-o", "{tmp}/afile.txt/out"], "afile.txt is a file, not a folder"),
+    (["-o", "."], "the output . is the current folder or one above it"),
+    (["-o", ""], "-o is empty"),
+    (["-o", "{tmp}/out", "--json", "{tmp}"], "is a folder; name a file"),
+    (["-o", "{tmp}/out", "--json", "{tmp}/afile.txt/x.json"], "afile.txt is a file, not a folder"),
+    (["-o", "{tmp}/out", "--calib", "wikitext2"], "cannot reach the Hugging Face hub to download wikitext; pass --data-dir"),
+    (["-o", "{tmp}/out", "-r", "{tmp}/latin1.yaml"], "latin1.yaml is not UTF-8 text"),
+])
+def test_outputs_and_inputs_are_checked_before_the_model_loads(tmp_path, tiny_folder, extra, words):
+    (tmp_path / "afile.txt").write_text("a file")
+    (tmp_path / "latin1.yaml").write_bytes("name: café\n".encode("latin-1"))
+    args = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    if "-r" not in args:
+        args += ["-r", "rtn-w8a8"]
+    calib = [] if "--calib" in args else ["--calib", "synthetic"]
+    proc = run_cli("quantize", str(tiny_folder), *calib, *args, env={"HF_HUB_OFFLINE": "1", "QOQTOOL_DATA_DIR": ""},
+                   cwd=tmp_path)
+    assert_user_error(proc, words)  # (one line: "loading ..." never printed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile.txt", "latin1.yaml"]
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_says_so_and_leaves_nothing(tmp_path, tiny_folder, sig):
+    """Ctrl-C or a SIGTERM during calibration: exit 130, one line, no output and no temporary folder."""
+    import shutil
+    import signal
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folder, folder)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))).save_pretrained(folder)
+    tmp_path = tmp_path / "runs"
+    tmp_path.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "qoqtool", "quantize", str(folder), "-r", "rtn-w8a8", "--calib",
+                             "synthetic", "--calib-samples", "8192", "--calib-seqlen", "256", "-o", str(tmp_path / "out")],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [proc.stderr.readline() for _ in range(2)]  # "loading ...", then "calibration: ..." as sampling starts
+    assert lines[1].startswith("calibration:"), lines
+    proc.send_signal(getattr(signal, sig))
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130 and rest.strip() == "interrupted; nothing was written", rest
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("args, words", [(("eval", "x", "--json"), "'--json' requires an argument"),

@@ -108,6 +108,9 @@ def test_load_then_transformers_generate_matches_the_reference(packed_qoq):
 @pytest.mark.parametrize("args, words", [
     (["-n", "0"], ["--max-new-tokens", "at least 1"]),
     (["--page-size", "24"], ["--page-size", "power of two"]),
+    (["--page-size", "8"], ["--page-size", "from 16 to 1024"]),
+    (["--page-size", "1073741824"], ["--page-size", "from 16 to 1024"]),
+    (["-n", "1000000000"], ["past the model's 512 (max_position_embeddings)", "--max-new-tokens"]),
     (["-p", "  "], ["--prompt", "empty"]),
     (["--chat"], ["chat template", "drop --chat"]),
     (["--device", "tpu"], ["device", "cpu or cuda"]),

@@ -6,6 +6,7 @@ the 32-tile); the `slow` ones quantize the demo model (RTN, 4 x 128 calibration 
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -284,7 +285,34 @@ def _group_params_past_the_kernels(d: Path):
     fs.write_manifest(d, man)
 
 
+def _manifest_a_list(d: Path):
+    (d / "qoqtool.json").unlink()
+    (d / "qoqtool.json").write_text("[1, 2]")
+
+
+def _linears_a_list(d: Path):
+    man = fs.read_manifest(d)
+    man["linears"] = list(man["linears"])
+    (d / "qoqtool.json").unlink()
+    fs.write_manifest(d, man)
+
+
+def _header_a_list(d: Path):
+    header = b"[]"
+    (d / "new.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    os.replace(d / "new.safetensors", d / "model.safetensors")
+
+
+def _config_not_json(d: Path):
+    (d / "config.json").unlink()
+    (d / "config.json").write_text("{not json")
+
+
 DAMAGES = {
+    "manifest a list": (_manifest_a_list, "qoqtool.json is not a JSON object"),
+    "linears a list": (_linears_a_list, "has a list as its 'linears' entry"),
+    "safetensors header a list": (_header_a_list, "truncated or corrupt (header is not valid)"),
+    "config not JSON": (_config_not_json, "cannot read the config of"),
     "missing tensor": (_missing_tensor, "missing tensor model.layers.1.mlp.down_proj.scale1"),
     "group parameters": (_group_params_past_the_kernels, "group parameters of model.layers.1.mlp.down_proj are damaged"),
     "flipped byte": (_flipped_byte, "sha256"),
@@ -298,10 +326,22 @@ def test_damaged_folder_is_refused(tiny_folders, tmp_path, capsys, damage):
     spoil, words = DAMAGES[damage]
     d = _copy(tiny_folders["prog-g32"][1], tmp_path / "damaged")
     spoil(d)
-    with pytest.raises(UserError, match=words):
+    with pytest.raises(UserError, match=re.escape(words)):
         packed.load_packed_folder(d, fs.read_manifest(d))
     code, _, err = cli(capsys, "eval", str(d), "--tasks", "fidelity")
     assert_one_line_error(code, err, words)
+
+
+@pytest.mark.parametrize("damage", ["manifest a list", "linears a list", "config not JSON"])
+def test_a_damaged_quantized_folder_is_refused_by_every_command(tiny_folders, tmp_path, capsys, damage):
+    spoil, words = DAMAGES[damage]
+    d = _copy(tiny_folders["prog-g32"][0], tmp_path / "damaged")
+    spoil(d)
+    for command in (["eval", str(d), "--tasks", "fidelity"], ["pack", str(d), "-o", str(tmp_path / "p")]) + (
+            (["info", str(d)],) if damage != "config not JSON" else ()):  # (info reads the manifest only)
+        code, _, err = cli(capsys, *command)
+        assert_one_line_error(code, err, words)
+    assert not (tmp_path / "p").exists()
 
 
 @pytest.mark.parametrize("version,words", [(quantized.FORMAT_VERSION + 1, "upgrade qoqtool"), (0, "re-quantize it")])

@@ -17,6 +17,7 @@ def test_a_bundled_recipe_reads_back_from_what_a_manifest_saves(name):
 
 
 @pytest.mark.parametrize("change, words", [
+    ({"bogus_top": 1}, "unknown key(s) bogus_top; known: name, description, weights"),
     ({"weights": "int4"}, "weights is a mapping such as {bits: 4"),
     ({"weights": None}, "weights is a mapping"),
     ({"activations": 8}, "activations is a mapping such as {bits: 8}, not 8"),

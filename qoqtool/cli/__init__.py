@@ -7,6 +7,7 @@ prints a result table on stdout, and can write machine-readable JSON (`--json FI
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -53,14 +54,25 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors become one line and exit code 2."""
     from qoqtool.cli import ui
 
     _quiet_libraries()
     ui.reserve_stdout(None)
+    # SIGTERM (a scheduler, `kill`) ends a run as Ctrl-C does: the temporary output folder is removed.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        # typer turns Ctrl-C inside a command into Exit(130), which standalone_mode=False returns
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+            if code == 130:
+                ui.err.print("interrupted; nothing was written")
+            sys.exit(code)
     except UserError as e:
         ui.err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)

@@ -14,7 +14,8 @@ from qoqtool.cli import app
 from qoqtool.cli import ui
 from qoqtool.errors import UserError
 
-DEVICE_HELP = "cpu, or cuda (a GPU: calibration runs there layer by layer; packed models use the kernels)."
+DEVICE_HELP = "cpu, or cuda (a GPU: calibration runs there layer by layer)."
+RUN_DEVICE_HELP = "cpu (the exact reference path), or cuda (a GPU: packed models run the kernels)."
 
 
 def _check_device(device: str) -> str:
@@ -92,7 +93,7 @@ def quantize(
 
       qoqtool quantize smollm2-135m -r qoq-w4a8kv4-g64 --calib wikitext2 --data-dir ../shared/data -o smol-qoq
 
-      qoqtool quantize smollm2-135m -r rtn-w4a16-g128 --calib wikitext2 --outliers 1% -o smol-rtn-1pct
+      qoqtool quantize smollm2-135m -r rtn-w4a16-g128 --calib wikitext2 --data-dir ../shared/data --outliers 1% -o smol-rtn-1pct
     """
     ui.reserve_stdout(json_out)
     from qoqtool.data.calibration import build_calibration, validate_args
@@ -106,6 +107,8 @@ def quantize(
     if batch_size < 1:
         raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
     device = _check_device(device)
+    if output is not None and not output.strip():
+        raise UserError("-o is empty; name the output folder, or leave -o out for the default name")
     output = output or _default_output(model, recipe)
     from qoqtool.data.sources import DATA_DIR_ENV
 
@@ -115,9 +118,11 @@ def quantize(
         from qoqtool.data import sources
 
         root = sources.data_dir(data_dir)
-        if root is not None and calib == "wikitext2":
+        if root is None:
+            sources.require_hub({"wikitext2": "wikitext", "pile": "mit-han-lab/pile-val-backup"}[calib])
+        elif calib == "wikitext2":
             sources.require_file(root, sources.WIKITEXT_FILES["validation"], "the WikiText-2 raw validation split")
-        if root is not None and calib == "pile":
+        else:
             sources.require_file(root, sources.PILE_FILE, 'Pile validation as JSON lines with a "text" field')
 
     from qoqtool.calibration.pipeline import check_recipe_fits, quantize_model
@@ -127,6 +132,10 @@ def quantize(
     ui.err.print(f"loading {model} ...")
     net, tokenizer, source = load_model(model, dtype="float32", device="cpu")
     check_recipe_fits(net, rec)
+    limit = getattr(net.config, "max_position_embeddings", None)
+    if limit and calib_seqlen > limit:
+        raise UserError(f"--calib-seqlen {calib_seqlen} is past the model's {limit} positions (max_position_embeddings); "
+                        "use a shorter one")
     ui.err.print(f"calibration: {calib}, {calib_samples} x {calib_seqlen} tokens, seed {seed}")
     if calib == "synthetic" and device != "cpu":
         net.to(device)
@@ -180,7 +189,7 @@ def quantize(
 @app.command(name="eval")
 def evaluate(
     models: list[str] = typer.Argument(..., help="One model or folder; two to compare (B against A)."),
-    tasks: str = typer.Option("wikitext2", "--tasks", "-t", help="Comma-separated tasks (see below)."),
+    tasks: str = typer.Option("wikitext2", "--tasks", "-t", help="Comma-separated tasks (see above)."),
     seqlen: int = typer.Option(2048, "--seqlen", help="Perplexity window length."),
     max_windows: Optional[int] = typer.Option(None, "--max-windows", help="Score only the first N windows."),
     decode_batch: Optional[int] = typer.Option(
@@ -189,7 +198,7 @@ def evaluate(
              "linear sees N tokens (on a GPU: the small-M and fused sparse-dense GEMM kernels and KV decode "
              "attention). Same windows and score; seqlen times as many steps."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", envvar="QOQTOOL_DATA_DIR", help="Local copies of the data sets."),
-    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    device: str = typer.Option("cpu", "--device", help=RUN_DEVICE_HELP),
     dtype: str = typer.Option(
         "float32", "--dtype",
         help="float32, float16 or bfloat16: the float tensors (embeddings, norms, residual stream) of an original "
@@ -222,7 +231,7 @@ def evaluate(
 
       qoqtool eval smol-qoq --tasks wikitext2,fidelity --max-windows 20 --json results.json
 
-      qoqtool eval smollm2-135m smol-qoq --tasks wikitext2 --max-windows 20
+      qoqtool eval smollm2-135m smol-qoq --tasks wikitext2 --data-dir ../shared/data --max-windows 20
 
       qoqtool eval smol-qoq-packed --device cuda --decode-batch 16 --max-windows 32
 
@@ -273,7 +282,7 @@ def generate(
     prompts: Optional[list[str]] = typer.Option(None, "--prompt", "-p", help="A prompt (repeatable; all run as one batch)."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="At most this many new tokens per prompt."),
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the tokenizer's chat template (instruct models)."),
-    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    device: str = typer.Option("cpu", "--device", help=RUN_DEVICE_HELP),
     page_size: int = typer.Option(64, "--page-size", help="Tokens per page of the paged KV cache."),
     cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph",
                                     help="On a GPU, replay each decode step from a CUDA graph (the first step is captured)."),
@@ -299,8 +308,8 @@ def generate(
     ui.reserve_stdout(json_out)
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    if page_size < 1 or page_size & (page_size - 1):
-        raise UserError(f"--page-size must be a power of two (got {page_size})")
+    if page_size < 16 or page_size > 1024 or page_size & (page_size - 1):
+        raise UserError(f"--page-size must be a power of two from 16 to 1024 (got {page_size})")
     prompts = prompts or ["The capital of France is"]
     if any(not text.strip() for text in prompts):
         raise UserError("--prompt must not be empty")
@@ -333,10 +342,15 @@ def generate(
         ids = [tokenizer(text)["input_ids"] for text in prompts]
     if any(len(x) == 0 for x in ids):
         raise UserError("a --prompt gave no tokens; give it some text")
+    longest = max(len(x) for x in ids) + max_new_tokens - 1
     try:
-        adapter.check_context(max(len(x) for x in ids) + max_new_tokens - 1)
+        adapter.check_context(longest)
     except ValueError as err:
         raise UserError(f"{err}; use a smaller --max-new-tokens or a shorter prompt") from err
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    if limit and longest > limit:
+        raise UserError(f"prompt plus new tokens reach {longest} positions, past the model's {limit} "
+                        "(max_position_embeddings); use a smaller --max-new-tokens or a shorter prompt")
     stop = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
     t0 = time.perf_counter()
     with ui.progress_bar("generate", enabled=not quiet) as bar:

@@ -36,7 +36,10 @@ def folder_report(path: str) -> dict:
         from qoqtool.packing.packed import packed_report
 
         return packed_report(folder, manifest)
-    linears = manifest.get("linears", {})
+    from qoqtool.packing import quantized
+
+    quantized.check_manifest(manifest, str(path))  # (another format, a version it cannot read, damaged entries)
+    linears = manifest["linears"]
     stored = sum(format_bits(m)[0] for m in linears.values())
     bits = sum(format_bits(m)[1] for m in linears.values())
     logical = sum(m["shape"][0] * m["shape"][1] for m in linears.values())

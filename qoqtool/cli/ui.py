@@ -23,6 +23,10 @@ def reserve_stdout(json_target: str | None) -> None:
     with None before every command, and each command with --json with its target)."""
     global out
     out = err if json_target == "-" else _stdout
+    if json_target not in (None, "-"):
+        from qoqtool.packing.folder import check_writable
+
+        check_writable(Path(json_target).expanduser(), f"--json {json_target}", folder=False)
 
 
 @contextmanager
@@ -74,5 +78,7 @@ def write_json(target: str | None, payload: dict) -> None:
     if target == "-":
         sys.stdout.write(text + "\n")
     else:
-        Path(target).expanduser().write_text(text + "\n")
+        path = Path(target).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
         err.print(f"wrote {target}")

@@ -55,7 +55,7 @@ def wikitext2_text(split: str, root: Path | None) -> str:
     """WikiText-2 raw v1 `split` ("test" or "validation") joined with "\\n\\n"."""
     if root is not None:
         path = require_file(root, WIKITEXT_FILES[split], f"the WikiText-2 raw {split} split")
-        rows = wikitext_rows_from_raw(path.read_text(encoding="utf-8"))
+        rows = wikitext_rows_from_raw(read_utf8(path))
     else:
         rows = _hub_rows("wikitext", "wikitext-2-raw-v1", split, "text")
     return "\n\n".join(rows)
@@ -78,13 +78,20 @@ def pile_documents(root: Path | None, limit_chars: int) -> list[str]:
 def local_texts(path: Path, limit_chars: int) -> list[str]:
     """A local calibration file: .txt (one document) or .jsonl with a "text" field."""
     check_local_suffix(path)
+    if path.suffix == ".jsonl":
+        return _jsonl_texts(path, limit_chars)
+    return [read_utf8(path)[: max(limit_chars, 1)]]
+
+
+def read_utf8(path: Path) -> str:
     try:
-        if path.suffix == ".jsonl":
-            return _jsonl_texts(path, limit_chars)
-        return [path.read_text(encoding="utf-8")[: max(limit_chars, 1)]]
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise UserError(f"calibration file {path} is not UTF-8 text (byte {err.start}: {err.reason}); "
-                        "convert it to UTF-8") from None
+        raise _not_utf8(path, err) from None
+
+
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> UserError:
+    return UserError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); convert it to UTF-8")
 
 
 def check_local_suffix(path: Path) -> None:
@@ -92,10 +99,18 @@ def check_local_suffix(path: Path) -> None:
         raise UserError(f"calibration file {path} must be .txt or .jsonl (with a \"text\" field)")
 
 
+def _utf8_lines(path: Path, fh):
+    """(line number, line) of a text file opened as UTF-8, a one-line UserError at a bad byte."""
+    try:
+        yield from enumerate(fh, 1)
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err) from None
+
+
 def _jsonl_texts(path: Path, limit_chars: int) -> list[str]:
     docs, total = [], 0
     with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, line in _utf8_lines(path, fh):
             if not line.strip():
                 continue
             try:
@@ -113,9 +128,10 @@ def _jsonl_texts(path: Path, limit_chars: int) -> list[str]:
     return docs
 
 
-def _hub_rows(name: str, config: str | None, split: str, field: str) -> list[str]:
+def require_hub(name: str) -> None:
+    """A one-line UserError unless `name` can be downloaded: `datasets` installed, the hub reachable."""
     try:
-        import datasets
+        import datasets  # noqa: F401
     except ImportError:
         raise UserError(f"loading {name} from the hub needs `pip install datasets`, or pass --data-dir") from None
     from qoqtool.models.loading import hub_reachable
@@ -125,5 +141,11 @@ def _hub_rows(name: str, config: str | None, split: str, field: str) -> list[str
             f"cannot reach the Hugging Face hub to download {name}; pass --data-dir DIR "
             f"(or set {DATA_DIR_ENV}) pointing at a local copy"
         )
+
+
+def _hub_rows(name: str, config: str | None, split: str, field: str) -> list[str]:
+    require_hub(name)
+    import datasets
+
     ds = datasets.load_dataset(name, config, split=split)
     return list(ds[field])

@@ -141,7 +141,11 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    return AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load the tokenizer of {source.describe()} ({str(err).splitlines()[0].rstrip(': ')}); "
+                        "the folder needs its tokenizer files, e.g. tokenizer.json") from None
 
 
 def validate_model(spec: str):
@@ -152,7 +156,13 @@ def validate_model(spec: str):
     if not source.is_hub and not source.gguf_file:
         from qoqtool.packing.folder import check_safetensors
 
-        for weights in sorted(Path(source.folder).glob("*.safetensors")):
+        files = sorted(Path(source.folder).glob("*.safetensors"))
+        if not files:
+            pickles = sorted(p.name for p in Path(source.folder).iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+            raise UserError(f"{spec} holds no .safetensors weights{f' (only pickles: {pickles[0]})' if pickles else ''}; "
+                            "qoqtool reads safetensors only: save the model with save_pretrained(safe_serialization=True) "
+                            "where you trust its files")
+        for weights in files:
             check_safetensors(weights)  # one clear line for a truncated or corrupt file
     return source, config
 
@@ -162,13 +172,19 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     source, config = validate_model(spec)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    # Safetensors only: a pickle (pytorch_model.bin) can run code when it is read.
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {"use_safetensors": True}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.folder, config=config, dtype=parse_dtype(dtype), **kwargs
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.folder, config=config, dtype=parse_dtype(dtype), output_loading_info=True, **kwargs
         )
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load {source.describe()}: {str(err).splitlines()[0]}") from None
+    missing, unexpected = sorted(info.get("missing_keys") or []), sorted(info.get("unexpected_keys") or [])
+    if missing:  # (transformers would fill them with random values)
+        hint = ("; a qoqtool folder without its qoqtool.json?" if any(k.endswith((".qweight", ".scale1", ".scale")) for k in unexpected)
+                else "; the weights do not belong to this config")
+        raise UserError(f"{spec}: the weights lack {len(missing)} of the model's tensors (first: {missing[0]}){hint}")
     # GGUF configs carry a quantization_config that only means "this came from GGUF";
     # weights are dequantized on load, so drop it before anything saves the config.
     if getattr(model.config, "quantization_config", None) is not None and source.gguf_file:

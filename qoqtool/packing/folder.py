@@ -29,11 +29,30 @@ from qoqtool.errors import UserError
 MANIFEST = "qoqtool.json"
 
 
+def check_writable(path: Path, what: str, folder: bool) -> None:
+    """A one-line UserError now, not after the run, when `path` (a file or, folder=True, a folder
+    to create or replace) could not be written: a folder there (for a file), a file where a
+    folder should be, or a first existing ancestor that is not a writable folder."""
+    if path.is_dir() and not folder:
+        raise UserError(f"{what} is a folder; name a file")
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{what}: {ancestor} is a file, not a folder; choose another path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{what}: {ancestor} is not writable; choose another path")
+
+
 def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs=()) -> Path:
     """Fail early (before any work) if `out` exists and may not be replaced, or if it is or
     holds one of `inputs` (paths read by the run; names that are not local paths, such as hub
     ids, are ignored): replacing it would delete what the run reads."""
+    if not str(out).strip():
+        raise UserError("the output folder is empty; name one with -o")
     path = Path(out).expanduser()
+    if path.resolve() in (Path.cwd(), *Path.cwd().parents):
+        raise UserError(f"the output {out} is the current folder or one above it; choose another output folder")
     for name in inputs:
         source = Path(name).expanduser()
         if name and source.exists() and path.resolve() in (source.resolve(), *source.resolve().parents):
@@ -42,6 +61,7 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs=()) -> Path
         raise UserError(f"output {out} already exists; pass --overwrite to replace it or choose another folder")
     if path.exists() and not path.is_dir():
         raise UserError(f"output {out} exists and is not a folder")
+    check_writable(path, f"output {out}", folder=True)
     return path
 
 
@@ -95,9 +115,24 @@ def check_format(manifest: dict, where: str, fmt: str, current: int, readable: t
     if version not in readable:
         newer = isinstance(version, int) and version > current
         fix = "upgrade qoqtool" if newer else redo
-        raise UserError(f"{where} has {fmt} format version {version}; this qoqtool reads versions "
+        raise UserError(f"{where} has {fmt} format version {version!r}; this qoqtool reads versions "
                         f"{', '.join(map(str, readable))} ({fix})")
     return version
+
+
+def check_entries(manifest: dict, where: str, weights_file: str, redo: str) -> None:
+    """The manifest entries every loader reads, of the types it reads them as (recipe, linears,
+    files: mappings; each linear's record a mapping; checksums for `weights_file`): a one-line
+    UserError naming the entry, instead of a loader's AttributeError."""
+    for key in ("recipe", "linears", "files"):
+        if not isinstance(manifest.get(key), dict):
+            got = "no" if key not in manifest else f"a {type(manifest[key]).__name__} as its"
+            raise UserError(f"{where}/qoqtool.json has {got} {key!r} entry (a mapping is expected); the folder is damaged, {redo}")
+    bad = next((name for name, meta in manifest["linears"].items() if not isinstance(meta, dict)), None)
+    if bad is not None:
+        raise UserError(f"{where}/qoqtool.json: the record of linear {bad} is not a mapping; the folder is damaged, {redo}")
+    if not isinstance(manifest["files"].get(weights_file), dict):
+        raise UserError(f"{where}/qoqtool.json lists no checksums for {weights_file}; the folder is damaged, {redo}")
 
 
 def read_manifest(folder: str | os.PathLike) -> dict | None:
@@ -106,9 +141,13 @@ def read_manifest(folder: str | os.PathLike) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON ({err.msg}); the folder is damaged, re-create it") from None
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({getattr(err, 'msg', None) or err.reason}); "
+                        "the folder is damaged, re-create it") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"{path} is not a JSON object; the folder is damaged, re-create it")
+    return manifest
 
 
 def check_safetensors(path: str | os.PathLike) -> None:
@@ -133,7 +172,7 @@ def check_safetensors(path: str | os.PathLike) -> None:
                     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
                     if 8 + n + end != size:
                         problem = f"expected {8 + n + end} bytes, found {size}"
-                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError):
+                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
                     problem = "header is not valid"
     if problem:
         raise UserError(f"{path} is truncated or corrupt ({problem}); re-create or re-download it")
@@ -142,8 +181,13 @@ def check_safetensors(path: str | os.PathLike) -> None:
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    from safetensors import SafetensorError
+
     check_safetensors(path)
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except SafetensorError as err:  # a header that fits the file's size but not its data (dtype, shape)
+        raise UserError(f"{path} is corrupt ({str(err).splitlines()[0]}); re-create or re-download it") from None
 
 
 def load_verified(path: str | os.PathLike, records: dict[str, dict], missing: str) -> dict[str, torch.Tensor]:

@@ -83,6 +83,9 @@ def pack_folder(quantized_dir: str, out: str, outliers: OutlierBudget | None = N
     src = Path(quantized_dir).expanduser()
     manifest = _source_manifest(src, quantized_dir)
     fs.check_output_dir(out, overwrite, inputs=(quantized_dir,))
+    from qoqtool.models.loading import ModelSource, load_config
+
+    load_config(ModelSource(str(src), str(src)))  # (a config the packed folder could not be opened with)
     weights, floats = quantized.load_weights(src, manifest)
     stats = quantized.load_stats(src, manifest)  # verified before it is copied
     sparse = quantized.load_outliers(src, manifest)
@@ -262,11 +265,7 @@ def _manifest_sha(folder: Path) -> str:
 # -- load -----------------------------------------------------------------------------------
 def check_manifest(manifest: dict, where: str) -> None:
     version = fs.check_format(manifest, where, FORMAT, FORMAT_VERSION, READABLE_VERSIONS, "re-pack it with this qoqtool")
-    for key in ("recipe", "linears", "files"):
-        if key not in manifest:
-            raise UserError(f"{where}/qoqtool.json has no {key!r} entry; the folder is damaged, re-pack it")
-    if WEIGHTS_FILE not in manifest["files"]:
-        raise UserError(f"{where}/qoqtool.json lists no checksums for {WEIGHTS_FILE}; the folder is damaged, re-pack it")
+    fs.check_entries(manifest, where, WEIGHTS_FILE, "re-pack it")
     if version == 1 and manifest.get("outliers"):
         raise UserError(f"{where}/qoqtool.json: a version 1 folder cannot hold outliers; the folder is damaged, re-pack it")
 
@@ -292,15 +291,14 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
 
     Float tensors are stored in fp16 and computed in `dtype` (fp32: the reference path).
     """
-    from transformers import AutoConfig
-
+    from qoqtool.models.loading import ModelSource, load_config
     from qoqtool.runtime.attention import prepare_attention
     from qoqtool.runtime.loading import build_empty_model, finish_loading
 
     path = Path(path)
     where = str(path)
     check_manifest(manifest, where)
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(ModelSource(where, where))
     model = build_empty_model(config, dtype)
     prepare_attention(model, manifest["recipe"])
     entries = outlier_entries(manifest, where)

@@ -108,6 +108,7 @@ def save(result, tokenizer, out: str, source: str, calibration: dict, overwrite:
 
 def check_manifest(manifest: dict, where: str) -> None:
     fs.check_format(manifest, where, FORMAT, FORMAT_VERSION, READABLE_VERSIONS, "re-quantize it with this qoqtool")
+    fs.check_entries(manifest, where, WEIGHTS_FILE, "re-quantize it")
 
 
 def load_weights(folder: str | Path, manifest: dict) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:

@@ -65,15 +65,14 @@ def finish_loading(model, tensors: dict[str, torch.Tensor], device: str, recipe:
 
 
 def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> torch.nn.Module:
-    from transformers import AutoConfig
-
+    from qoqtool.models.loading import ModelSource, load_config
     from qoqtool.packing import quantized
     from qoqtool.packing.packed import fp16_rounded
     from qoqtool.runtime.attention import prepare_attention
     from qoqtool.runtime.reference import QuantLinear
 
     quantized.check_manifest(manifest, str(path))
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(ModelSource(str(path), str(path)))
     weights, tensors = quantized.load_weights(path, manifest)
     outliers = quantized.load_outliers(path, manifest)
     # Deployed float tensors (embeddings, norms, biases) are fp16 (docs/format.md): evaluate
@@ -101,7 +100,7 @@ def load_any(spec: str, device: str = "cpu", dtype: str = "float32") -> LoadedMo
 
         model, tokenizer, _ = load_model(spec, dtype=dtype, device=device)
         return LoadedModel(model, tokenizer, "original", spec)
-    from transformers import AutoTokenizer
+    from qoqtool.models.loading import ModelSource, load_tokenizer
 
     fmt = manifest.get("format")
     if fmt == "qoqtool-quantized":
@@ -115,5 +114,5 @@ def load_any(spec: str, device: str = "cpu", dtype: str = "float32") -> LoadedMo
         kind = "packed"
     else:
         raise UserError(f"{spec} has a qoqtool.json of unknown format {fmt!r}; it was written by another tool")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(ModelSource(str(path), str(path)))
     return LoadedModel(model, tokenizer, kind, spec, manifest)
