@@ -39,7 +39,7 @@ class Step:
 class Recipe:
     name: str
     weights: WeightQuantConfig
-    act_bits: int = 8
+    act_bits: int = 16  # (as a recipe without `activations` reads)
     kv_bits: int = 16
     steps: list[Step] = field(default_factory=list)
     description: str = ""
@@ -92,7 +92,7 @@ def known_recipes() -> list[str]:
 
 def load_recipe(name_or_path: str) -> Recipe:
     path = Path(name_or_path).expanduser()
-    if path.suffix in (".yaml", ".yml"):
+    if path.suffix.lower() in (".yaml", ".yml"):
         if not path.is_file():
             raise UserError(f"recipe file {name_or_path} does not exist")
     else:

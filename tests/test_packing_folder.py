@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -381,6 +382,22 @@ def test_pack_overwrite_replaces_atomically(tiny_folders, tmp_path, capsys):
     assert code == 0, err
     assert "bits / stored weight" in stdout and not (out / "stale.txt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["p"]  # no temporary folder left behind
+
+
+def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run_an_hour_later(tiny_folders, tmp_path, capsys):
+    """SIGKILL leaves .OUT.tmp-XXXX behind (nothing can clean up): the next run into OUT removes
+    it once untouched for an hour, and leaves younger ones (a run may be writing them)."""
+    qdir, _ = tiny_folders["int8"]
+    old, young, other = tmp_path / ".p.tmp-0badf00d", tmp_path / ".p.tmp-12345678", tmp_path / ".q.tmp-0badf00d"
+    for d in (old, young, other):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    hours_ago = time.time() - 2 * fs.STALE_SECONDS
+    os.utime(old, (hours_ago, hours_ago))
+    os.utime(other, (hours_ago, hours_ago))
+    code, _, err = cli(capsys, "pack", str(qdir), "-o", str(tmp_path / "p"))
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".p.tmp-12345678", ".q.tmp-0badf00d", "p"]
 
 
 # -- the demo model -------------------------------------------------------------------------

@@ -12,11 +12,13 @@ understand or what was damaged.
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import hashlib
 import json
 import os
 import shutil
 import struct
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,6 +72,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool):
     """Yield a temporary folder; on success it replaces `out`, on failure it is removed."""
     target = check_output_dir(out, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(target)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -84,6 +87,19 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool):
     os.replace(tmp, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+STALE_SECONDS = 3600
+
+
+def _remove_stale(target: Path) -> None:
+    """The temporary folders of earlier runs into `target` that were killed while writing
+    (SIGKILL, a power cut: nothing could clean up), untouched for an hour - a run writes its
+    folder in minutes, so none of these is still being written."""
+    now = time.time()
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.*-*"):
+        if stale.is_dir() and stale.name.rsplit("-", 1)[0].endswith((".tmp", ".old")) and now - stale.stat().st_mtime > STALE_SECONDS:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
