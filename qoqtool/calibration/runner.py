@@ -62,10 +62,10 @@ def capture_first_layer_inputs(adapter: ModelAdapter, tokens: torch.Tensor, devi
     with _standing_in(adapter, catcher, device):
         for i in range(tokens.shape[0]):
             _run_to_layer0(adapter, tokens[i : i + 1], device)
-        layer_masks = _layer_masks(adapter, catcher, tokens[:1], device)
     kwargs = {k: _to_device(v, "cpu") for k, v in (catcher.kwargs or {}).items()}
     hidden = torch.cat(catcher.inputs)
-    return LayerInputs(hidden.to(device) if fits_on_device(hidden, device) else hidden, kwargs, layer_masks)
+    return LayerInputs(hidden.to(device) if fits_on_device(hidden, device) else hidden, kwargs,
+                       _layer_masks(adapter, tokens[:1], device))
 
 
 @contextmanager
@@ -93,7 +93,7 @@ def _run_to_layer0(adapter: ModelAdapter, window: torch.Tensor, device) -> None:
         pass
 
 
-def _layer_masks(adapter: ModelAdapter, catcher: _Catcher, window: torch.Tensor, device) -> list | None:
+def _layer_masks(adapter: ModelAdapter, window: torch.Tensor, device) -> list | None:
     """Each layer's attention_mask when the config's layer_types mix kinds, else None. The model
     builds one mask per kind and hands layer i the one of layer_types[i]: captured by running
     one window with layer 0 standing in for each kind in turn (a mask depends on the window's
@@ -101,16 +101,17 @@ def _layer_masks(adapter: ModelAdapter, catcher: _Catcher, window: torch.Tensor,
     types = getattr(adapter.config, "layer_types", None)
     if not types or len(set(types)) == 1:
         return None
-    first_type, first_kwargs, masks = types[0], catcher.kwargs, {}
+    first_type, masks = types[0], {}
     try:
         for kind in dict.fromkeys(types):
-            types[0] = catcher.attention_type = kind
-            catcher.kwargs = None
-            _run_to_layer0(adapter, window, device)
-            catcher.inputs.pop()
+            types[0] = kind
+            catcher = _Catcher(adapter.layers[0])
+            catcher.attention_type = kind
+            with _standing_in(adapter, catcher, device):
+                _run_to_layer0(adapter, window, device)
             masks[kind] = _to_device(catcher.kwargs.get("attention_mask"), "cpu")
     finally:
-        types[0], catcher.attention_type, catcher.kwargs = first_type, first_type, first_kwargs
+        types[0] = first_type
     return [masks[kind] for kind in types]
 
 

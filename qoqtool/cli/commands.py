@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 from pathlib import Path
@@ -110,9 +109,7 @@ def quantize(
     if output is not None and not output.strip():
         raise UserError("-o is empty; name the output folder, or leave -o out for the default name")
     output = output or _default_output(model, recipe)
-    from qoqtool.data.sources import DATA_DIR_ENV
-
-    fs.check_output_dir(output, overwrite, inputs=(model, calib, data_dir or os.environ.get(DATA_DIR_ENV, "")))
+    fs.check_output_dir(output, overwrite, inputs=(model, calib, data_dir or ""))  # (data_dir: --data-dir or its env var)
     _check_model_argument(model)
     if calib in ("wikitext2", "pile"):
         from qoqtool.data import sources

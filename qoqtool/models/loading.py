@@ -42,6 +42,11 @@ class ModelSource:
     gguf_file: str | None = None
     is_hub: bool = False
 
+    @classmethod
+    def local(cls, folder: str | os.PathLike) -> "ModelSource":
+        """A local Hugging Face folder (a qoqtool folder's config and tokenizer)."""
+        return cls(spec=str(folder), folder=str(folder))
+
     def describe(self) -> str:
         if self.gguf_file:
             return f"{Path(self.folder) / self.gguf_file}"

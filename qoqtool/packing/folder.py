@@ -53,11 +53,12 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs=()) -> Path
     if not str(out).strip():
         raise UserError("the output folder is empty; name one with -o")
     path = Path(out).expanduser()
-    if path.resolve() in (Path.cwd(), *Path.cwd().parents):
+    resolved = path.resolve()
+    if resolved in (Path.cwd(), *Path.cwd().parents):
         raise UserError(f"the output {out} is the current folder or one above it; choose another output folder")
     for name in inputs:
-        source = Path(name).expanduser()
-        if name and source.exists() and path.resolve() in (source.resolve(), *source.resolve().parents):
+        source = Path(name).expanduser().resolve()
+        if name and source.exists() and resolved in (source, *source.parents):
             raise UserError(f"the output {out} is or holds the input {name}; choose another output folder")
     if path.exists() and not overwrite:
         raise UserError(f"output {out} already exists; pass --overwrite to replace it or choose another folder")

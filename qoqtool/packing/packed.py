@@ -85,7 +85,7 @@ def pack_folder(quantized_dir: str, out: str, outliers: OutlierBudget | None = N
     fs.check_output_dir(out, overwrite, inputs=(quantized_dir,))
     from qoqtool.models.loading import ModelSource, load_config
 
-    load_config(ModelSource(str(src), str(src)))  # (a config the packed folder could not be opened with)
+    load_config(ModelSource.local(src))  # (a config the packed folder could not be opened with)
     weights, floats = quantized.load_weights(src, manifest)
     stats = quantized.load_stats(src, manifest)  # verified before it is copied
     sparse = quantized.load_outliers(src, manifest)
@@ -298,7 +298,7 @@ def load_packed_folder(path: str | Path, manifest: dict, device: str = "cpu",
     path = Path(path)
     where = str(path)
     check_manifest(manifest, where)
-    config = load_config(ModelSource(where, where))
+    config = load_config(ModelSource.local(where))
     model = build_empty_model(config, dtype)
     prepare_attention(model, manifest["recipe"])
     entries = outlier_entries(manifest, where)

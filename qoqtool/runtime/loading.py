@@ -72,7 +72,7 @@ def load_quantized_folder(path: Path, manifest: dict, device: str = "cpu") -> to
     from qoqtool.runtime.reference import QuantLinear
 
     quantized.check_manifest(manifest, str(path))
-    config = load_config(ModelSource(str(path), str(path)))
+    config = load_config(ModelSource.local(path))
     weights, tensors = quantized.load_weights(path, manifest)
     outliers = quantized.load_outliers(path, manifest)
     # Deployed float tensors (embeddings, norms, biases) are fp16 (docs/format.md): evaluate
@@ -114,5 +114,5 @@ def load_any(spec: str, device: str = "cpu", dtype: str = "float32") -> LoadedMo
         kind = "packed"
     else:
         raise UserError(f"{spec} has a qoqtool.json of unknown format {fmt!r}; it was written by another tool")
-    tokenizer = load_tokenizer(ModelSource(str(path), str(path)))
+    tokenizer = load_tokenizer(ModelSource.local(path))
     return LoadedModel(model, tokenizer, kind, spec, manifest)
