@@ -227,13 +227,16 @@ def test_an_interrupted_run_says_so_and_leaves_nothing(tmp_path, tiny_folder, si
 
 
 @pytest.mark.parametrize("args, words", [(("eval", "x", "--json"), "'--json' requires an argument"),
-                                         (("quantize", "x", "--bogus"), "No such option: --bogus")])
-def test_usage_errors_exit_2_without_traceback(args, words):
-    """Option parsing errors come from click (vendored by recent typer): its usage message, exit 2."""
+                                         (("quantize", "x", "--bogus"), "No such option: --bogus"),
+                                         (("quantize",), "Missing argument 'MODEL'"),
+                                         (("evl",), "No such command 'evl'")])
+def test_usage_errors_are_one_line_with_exit_2(args, words):
+    """Option parsing errors come from click (vendored by recent typer): its message in one
+    line, as qoqtool's own errors, naming the command's --help; exit 2."""
     proc = run_cli(*args)
     assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert words in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert words in proc.stderr and proc.stderr.startswith("error: ") and "--help')" in proc.stderr
 
 
 def test_the_cli_silences_other_libraries_progress_bars():

@@ -112,6 +112,21 @@ def test_synthetic_calibration_is_deterministic_for_a_seed():
     assert a.shape == (3, 12) and torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_synthetic_text_stays_within_the_tokenizer():
+    """An embedding padded past the tokenizer (Qwen2: 151936 rows, 151665 tokens): no draw or
+    sample lands on the padding, even where the model favours it."""
+    model = tiny_model("qwen2", seed=3)
+    vocab = model.config.vocab_size
+    real = vocab // 2
+    with torch.no_grad():
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(vocab))
+        model.lm_head.bias[real:] = 50.0  # the padded rows would win every sample
+    unbounded = sample_synthetic(model, 4, 10, seed=1)
+    bounded = sample_synthetic(model, 4, 10, seed=1, tokens=real)
+    assert int(unbounded.max()) >= real  # the check can fail
+    assert int(bounded.max()) < real
+
+
 class _CharTokenizer:
     """Enough of a tokenizer for the calibration builder: one id per character."""
 

@@ -227,6 +227,25 @@ def test_info_cli(tiny_folders, tmp_path, capsys):
     assert report["size"]["bits_per_stored_weight"] == pytest.approx(report["bits_per_stored_weight"])
 
 
+def test_info_verify_checks_every_file(tiny_folders, tmp_path, capsys):
+    """--verify reads the files info otherwise only lists: a flipped byte in the quantized
+    folder's calibration statistics is found there, in one line and exit 2."""
+    qdir, pdir = tiny_folders["prog-g32"]
+    for d in (qdir, pdir):
+        code, out, err = cli(capsys, "info", str(d), "--verify", "--json", str(tmp_path / "v.json"))
+        assert code == 0, err
+        counts = json.loads((tmp_path / "v.json").read_text())["verified"]
+        assert counts == {f: len(r) for f, r in fs.read_manifest(d)["files"].items()} and "match the manifest" in out
+    bad = _copy(qdir, tmp_path / "bad")
+    stats = bytearray((bad / "calib_stats.safetensors").read_bytes())
+    stats[-3] ^= 0x10
+    (bad / "new").write_bytes(bytes(stats))
+    os.replace(bad / "new", bad / "calib_stats.safetensors")
+    assert cli(capsys, "info", str(bad))[0] == 0  # without --verify the files are listed, not read
+    code, out, err = cli(capsys, "info", str(bad), "--verify")
+    assert code == 2 and "calib_stats.safetensors: tensor" in err and "sha256" in err and len(err.strip().splitlines()) == 1
+
+
 def test_json_on_stdout_is_the_json_alone(tiny_folders, capsys):
     """`--json -`: stdout parses as JSON (the table goes to stderr); the next command's
     table is back on stdout."""

@@ -71,17 +71,21 @@ def main(argv: list[str] | None = None) -> None:
         # typer turns Ctrl-C inside a command into Exit(130), which standalone_mode=False returns
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:
             if code == 130:
-                ui.err.print("interrupted; nothing was written")
+                _say_interrupted()
             sys.exit(code)
     except UserError as e:
         ui.err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        ui.err.print("interrupted; nothing was written")
+        _say_interrupted()
         sys.exit(130)
     except Exception as e:  # click's own usage errors carry their exit code
         for ex in _click_exception_modules():
             # (not every vendored click has every class: typer 0.29's lacks Exit and Abort)
+            if isinstance(e, getattr(ex, "UsageError", ())):  # one line, as our own errors
+                where = f"{e.ctx.command_path} --help" if e.ctx is not None else "qoqtool --help"
+                ui.err.print(f"[bold red]error:[/] {e.format_message()} (see '{where}')", highlight=False, soft_wrap=True)
+                sys.exit(e.exit_code)
             if isinstance(e, getattr(ex, "ClickException", ())):
                 e.show()
                 sys.exit(e.exit_code)
@@ -90,6 +94,13 @@ def main(argv: list[str] | None = None) -> None:
             if isinstance(e, getattr(ex, "Abort", ())):
                 sys.exit(130)
         raise
+
+
+def _say_interrupted() -> None:
+    # Straight to stderr, not through Rich: the interrupt may have landed inside a Rich print,
+    # whose buffer still holds the line it had already written and would write it again.
+    sys.stderr.write("interrupted; nothing was written\n")
+    sys.stderr.flush()
 
 
 def _click_exception_modules() -> list:

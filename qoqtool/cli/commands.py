@@ -58,7 +58,7 @@ def _outlier_budget(spec: str | None, scope: str | None):
 # ----------------------------------------------------------------------------------------
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="Hub id, local HF folder, .gguf file, or smollm2-135m; a Llama, Mistral, Qwen2 or Qwen3 causal LM."),
+    model: str = typer.Argument(..., metavar="MODEL", help="Hub id, local HF folder, .gguf file, or smollm2-135m; a Llama, Mistral, Qwen2 or Qwen3 causal LM."),
     recipe: str = typer.Option("qoq-w4a8kv4-g128", "--recipe", "-r", help="Recipe name (see `qoqtool recipes`) or a YAML file."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output folder [default: MODEL-RECIPE]."),
     calib: str = typer.Option("pile", "--calib", help="wikitext2, pile, synthetic (data-free), or a .txt/.jsonl file."),
@@ -185,7 +185,7 @@ def quantize(
 # ----------------------------------------------------------------------------------------
 @app.command(name="eval")
 def evaluate(
-    models: list[str] = typer.Argument(..., help="One model or folder; two to compare (B against A)."),
+    models: list[str] = typer.Argument(..., metavar="MODEL", help="One model or folder; two to compare (B against A)."),
     tasks: str = typer.Option("wikitext2", "--tasks", "-t", help="Comma-separated tasks (see above)."),
     seqlen: int = typer.Option(2048, "--seqlen", help="Perplexity window length."),
     max_windows: Optional[int] = typer.Option(None, "--max-windows", help="Score only the first N windows."),
@@ -275,7 +275,7 @@ def evaluate(
 
 @app.command()
 def generate(
-    model: str = typer.Argument(..., help="A packed or quantized folder, or an original model (hub id, folder, .gguf, smollm2-135m)."),
+    model: str = typer.Argument(..., metavar="MODEL", help="A packed or quantized folder, or an original model (hub id, folder, .gguf, smollm2-135m)."),
     prompts: Optional[list[str]] = typer.Option(None, "--prompt", "-p", help="A prompt (repeatable; all run as one batch)."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="At most this many new tokens per prompt."),
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the tokenizer's chat template (instruct models)."),
@@ -388,7 +388,7 @@ def _check_model_argument(spec: str) -> None:
 # ----------------------------------------------------------------------------------------
 @app.command()
 def pack(
-    quantized_dir: str = typer.Argument(..., help="A folder written by `qoqtool quantize`."),
+    quantized_dir: str = typer.Argument(..., metavar="QUANTIZED_DIR", help="A folder written by `qoqtool quantize`."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output folder [default: QUANTIZED_DIR-packed]."),
     outliers: Optional[str] = typer.Option(
         None, "--outliers",
@@ -431,19 +431,25 @@ def pack(
 # ----------------------------------------------------------------------------------------
 @app.command()
 def info(
-    path: str = typer.Argument(..., help="A quantized or packed folder."),
+    path: str = typer.Argument(..., metavar="FOLDER", help="A quantized or packed folder."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write the report as JSON."),
+    verify: bool = typer.Option(False, "--verify", help="Also read every tensor file and check it against the "
+                                "manifest's sha256 checksums (the loaders do this for the files they read)."),
 ):
     """Show what a qoqtool folder holds: recipe, calibration, formats, bits and sizes.
 
-    Example:
+    Examples:
 
       qoqtool info smol-qoq
+
+      qoqtool info smol-qoq-packed --verify   # also check every file's checksums
     """
     ui.reserve_stdout(json_out)
-    from qoqtool.cli.info import folder_report, print_size_report
+    from qoqtool.cli.info import folder_report, print_size_report, verify_files
 
     report = folder_report(path)
+    if verify:
+        report["verified"] = verify_files(path)
     print_size_report(report)
     ui.write_json(json_out, report)
 

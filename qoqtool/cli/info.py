@@ -68,6 +68,19 @@ def folder_report(path: str) -> dict:
     }
 
 
+def verify_files(path: str) -> dict[str, int]:
+    """Read every tensor file the folder's manifest lists and check each tensor's shape, dtype
+    and sha256 against it (what the loaders check of the files they read). Returns the tensors
+    checked per file; a damaged or missing file is a one-line UserError."""
+    folder = Path(path).expanduser()
+    records = fs.read_manifest(folder)["files"]
+    checked = {}
+    for name, tensors in sorted(records.items()):
+        fs.load_verified(folder / name, tensors, f"{path} has no {name}, which its qoqtool.json lists; re-create the folder")
+        checked[name] = len(tensors)
+    return checked
+
+
 def _kept_float_weights(manifest: dict) -> bool:
     """Whether a quantized folder kept its weights before rounding (--keep-float-weights)."""
     from qoqtool.packing.quantized import FLOAT_WEIGHTS_FILE
@@ -117,6 +130,9 @@ def print_folder_report(report: dict) -> None:
         rows.append(["bits / weight (logical)", report["bits_per_weight"]])
     for name, size in sorted(report["files"].items()):
         rows.append([f"file {name}", f"{size / 2**20:.2f} MiB"])
+    if "verified" in report:
+        counts = report["verified"]
+        rows.append(["checksums", f"{sum(counts.values())} tensors in {len(counts)} files match the manifest (sha256)"])
     for note in report.get("notes", []):
         rows.append(["note", note])
     ui.table(report["path"], ["", "value"], rows)

@@ -64,7 +64,7 @@ def build_calibration(
     if source == "synthetic":
         if model is None:
             raise ValueError("synthetic calibration needs the model")
-        return CalibrationSet(sample_synthetic(model, samples, seqlen, seed), "synthetic")
+        return CalibrationSet(sample_synthetic(model, samples, seqlen, seed, token_count(tokenizer)), "synthetic")
     root = sources.data_dir(data_dir)
     need_chars = samples * seqlen * 8  # generous: English averages ~4 characters a token
     if source == "wikitext2":
@@ -89,25 +89,37 @@ def random_windows(ids: torch.Tensor, samples: int, seqlen: int, seed: int, sour
     return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
 
 
+def token_count(tokenizer) -> int | None:
+    """How many token ids the tokenizer can produce (None if it cannot say)."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return None
+
+
 @torch.no_grad()
-def sample_synthetic(model, samples: int, seqlen: int, seed: int, batch_size: int = 32) -> torch.Tensor:
+def sample_synthetic(
+    model, samples: int, seqlen: int, seed: int, tokens: int | None = None, batch_size: int = 32
+) -> torch.Tensor:
     """Data-free calibration text: sequences the model samples itself (LLM-QAT style).
 
     Each sequence starts from a token drawn uniformly from the vocabulary, then samples
     with temperature 1 and nucleus 0.95. Deterministic for a seed on a given device.
+    `tokens`: the tokenizer's size. Models whose embedding is padded past it (Qwen2: 151936
+    rows for 151665 tokens) have rows no text ever reaches; draws and samples stay below it.
     """
     device = next(model.parameters()).device
-    vocab = model.config.vocab_size
+    vocab = model.config.vocab_size if tokens is None else min(tokens, model.config.vocab_size)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = []
     for start in range(0, samples, batch_size):
         n = min(batch_size, samples - start)
         first = torch.randint(0, vocab, (n, 1), generator=gen)
-        out.append(_sample(model, first.to(device), seqlen, gen).cpu())
+        out.append(_sample(model, first.to(device), seqlen, gen, vocab).cpu())
     return torch.cat(out)
 
 
-def _sample(model, prefix: torch.Tensor, seqlen: int, gen: torch.Generator, top_p: float = 0.95) -> torch.Tensor:
+def _sample(model, prefix: torch.Tensor, seqlen: int, gen: torch.Generator, vocab: int, top_p: float = 0.95) -> torch.Tensor:
     from transformers import DynamicCache
 
     tokens = prefix
@@ -116,7 +128,7 @@ def _sample(model, prefix: torch.Tensor, seqlen: int, gen: torch.Generator, top_
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     step_input = prefix
     while tokens.shape[1] < seqlen:
-        logits = model(step_input, use_cache=True, **{cache_arg: cache}).logits[:, -1].float()
+        logits = model(step_input, use_cache=True, **{cache_arg: cache}).logits[:, -1, :vocab].float()
         probs = torch.softmax(logits, dim=-1)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # smallest prefix reaching top_p

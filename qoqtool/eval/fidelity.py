@@ -23,8 +23,9 @@ from qoqtool.data.calibration import sample_synthetic
 HELD_OUT_SEED_OFFSET = 1_000_003  # keeps fidelity text apart from any calibration seed
 
 
-def held_out_text(original, samples: int, seqlen: int, seed: int) -> torch.Tensor:
-    return sample_synthetic(original, samples, seqlen, seed + HELD_OUT_SEED_OFFSET)
+def held_out_text(original, samples: int, seqlen: int, seed: int, tokens: int | None = None) -> torch.Tensor:
+    """`tokens`: the tokenizer's size (sample_synthetic)."""
+    return sample_synthetic(original, samples, seqlen, seed + HELD_OUT_SEED_OFFSET, tokens)
 
 
 @torch.no_grad()

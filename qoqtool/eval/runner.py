@@ -27,6 +27,7 @@ def evaluate_model(
     loaded: LoadedModel, tasks: list[str], settings: EvalSettings, device: str, show_progress: bool,
     baseline: LoadedModel | None = None,
 ) -> dict:
+    from qoqtool.data.calibration import token_count
     from qoqtool.eval.fidelity import fidelity, held_out_text
 
     results: dict[str, dict] = {}
@@ -40,7 +41,8 @@ def evaluate_model(
         results["wikitext2"] = res
     if "fidelity" in tasks:
         original = _original_for(loaded, baseline, device, settings.dtype)
-        text = held_out_text(original.model, settings.fidelity_samples, settings.fidelity_seqlen, settings.seed)
+        text = held_out_text(original.model, settings.fidelity_samples, settings.fidelity_seqlen, settings.seed,
+                             token_count(original.tokenizer))
         with ui.progress_bar(f"fidelity {label}", show_progress) as bar:
             results["fidelity"] = fidelity(original.model, loaded.model, text, bar)
         results["fidelity"]["original"] = original.spec
