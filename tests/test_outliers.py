@@ -15,6 +15,7 @@ from qoqtool.quantizers.outliers import (
     OutlierKeeper,
     OutlierTarget,
     SparseOutliers,
+    _Selection,
     choose,
     choose_fixed,
     global_targets,
@@ -22,8 +23,9 @@ from qoqtool.quantizers.outliers import (
     outliers_after_the_fact,
     parse_outliers,
     quantize_keeping,
+    select,
 )
-from qoqtool.quantizers.schemes import WeightQuantConfig, WeightScheme
+from qoqtool.quantizers.schemes import PROTECTIVE_RANGE, WeightQuantConfig, WeightScheme
 
 SCHEMES = [
     WeightQuantConfig(4, 32, "asymmetric"),
@@ -389,3 +391,60 @@ def test_float_weights_are_required_for_transformed_folders(tmp_path):
     manifest = {"recipe": {"steps": [{"rotate": {}}, {"gptq": {}}]}, "files": {}, "linears": {}}
     with pytest.raises(UserError, match="keep-float-weights"):
         quantized.load_float_weights(tmp_path, manifest)
+
+
+# -- the selection scores the stored grids and spends the whole budget (review of 2026-12-07) --
+_PROGRESSIVE = WeightQuantConfig(4, 32, "progressive")
+
+
+@pytest.mark.parametrize("config", [_PROGRESSIVE, WeightQuantConfig(4, 32, "asymmetric"), WeightQuantConfig(4, None, "asymmetric")],
+                         ids=lambda c: c.describe())
+def test_rtn_selection_scores_against_the_stored_grid(config):
+    """Every dense weight the greedy scored is stored on the same grid (progressive: level 0
+    included), so the gains it ranked are the stored model's."""
+    w, x = _problem()
+    sel = _Selection(w, _Stats(x).mean_sq, WeightScheme(config))
+    mask = select(sel, OutlierTarget(count=61))
+    n, k = w.shape
+    scored = sel._fake(torch.arange(sel.w.shape[0]), sel.w.masked_fill(sel.kept, 0), sel.w).reshape(n, -1)[:, :k]
+    stored = quantize_keeping(w, WeightScheme(config), mask).dequantize()
+    assert torch.equal(scored[~mask], stored[~mask])
+
+
+def test_gptq_keeps_the_outliers_level0_was_fitted_without():
+    """Progressive level 0 is fitted before the sweep without the planned outliers: a planned
+    outlier larger than all its row keeps dense must be kept, or it is rounded outside
+    level 0's range [-119, 119] * s0."""
+    w, x = _problem(seed=6)
+    keeper = OutlierKeeper(OutlierTarget(count=80))
+    qw = keeper.solve(w, _Stats(x), _Recipe(_PROGRESSIVE), {"gptq": GPTQParams()})
+    kept = torch.zeros(w.shape, dtype=torch.bool)
+    kept[keeper.sparse.rows.long(), keeper.sparse.cols.long()] = True
+    s0 = qw.scale0.float()[:, None]
+    assert keeper.sparse.nnz == 80
+    assert not ((w.abs() > (PROTECTIVE_RANGE + 0.5) * s0) & ~kept).any()
+
+
+@pytest.mark.parametrize("n", [33, 35, 38])
+def test_fixed_grid_choice_spends_the_whole_budget(n):
+    """pack --outliers on a GPTQ/clipped folder (choose_fixed): exact count, also where the
+    last row tile has fewer rows than an entry's four slots."""
+    gains = torch.rand(n, 576, generator=torch.Generator().manual_seed(n))
+    gains[32:] *= 100  # the last, partial row tile holds the largest gains
+    count = round(0.05 * n * 576)
+    assert int(choose_fixed(gains, OutlierTarget(count=count)).sum()) == count
+
+
+@pytest.mark.parametrize("config, act_order", [(WeightQuantConfig(4, None, "asymmetric"), False),
+                                               (WeightQuantConfig(4, 32, "progressive"), True)],
+                         ids=["per-channel", "progressive-act-order"])
+def test_gptq_spends_no_outlier_on_a_dead_channel(config, act_order):
+    """GPTQ pins never-active input channels to zero; with static grids the plan is kept as
+    chosen, so it must be chosen on the pinned weight: no stored residual of 0."""
+    w, x = _problem(seed=3)
+    x[:, :3] = 0
+    w[:, :3] *= 30  # loud weights on the dead channels would win an unpinned plan
+    keeper = OutlierKeeper(OutlierTarget(count=60))
+    keeper.solve(w, _Stats(x), _Recipe(config), {"gptq": GPTQParams(act_order=act_order)})
+    assert keeper.sparse.nnz == 60
+    assert int((keeper.sparse.cols < 3).sum()) == 0 and bool((keeper.sparse.values != 0).all())
