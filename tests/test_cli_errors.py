@@ -229,7 +229,8 @@ def test_an_interrupted_run_says_so_and_leaves_nothing(tmp_path, tiny_folder, si
 @pytest.mark.parametrize("args, words", [(("eval", "x", "--json"), "'--json' requires an argument"),
                                          (("quantize", "x", "--bogus"), "No such option: --bogus"),
                                          (("quantize",), "Missing argument 'MODEL'"),
-                                         (("evl",), "No such command 'evl'")])
+                                         (("evl",), "No such command 'evl'"),
+                                         (("quantize", "x", "--bo[/x]"), "No such option: --bo[/x]")])
 def test_usage_errors_are_one_line_with_exit_2(args, words):
     """Option parsing errors come from click (vendored by recent typer): its message in one
     line, as qoqtool's own errors, naming the command's --help; exit 2."""
@@ -237,6 +238,17 @@ def test_usage_errors_are_one_line_with_exit_2(args, words):
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert words in proc.stderr and proc.stderr.startswith("error: ") and "--help')" in proc.stderr
+
+
+def test_qoqtool_alone_prints_the_help_and_no_error():
+    proc = run_cli()
+    assert "Usage" in proc.stdout and "quantize" in proc.stdout and proc.stderr.strip() == ""
+
+
+def test_user_input_is_printed_as_text_not_markup():
+    """A path with Rich markup in it is quoted as it is, not parsed (a MarkupError traceback)."""
+    proc = run_cli("info", "no/[/x]folder")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: no/[/x]folder is not a folder; pass a folder written by qoqtool quantize or pack"
 
 
 def test_the_cli_silences_other_libraries_progress_bars():

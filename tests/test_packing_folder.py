@@ -244,6 +244,12 @@ def test_info_verify_checks_every_file(tiny_folders, tmp_path, capsys):
     assert cli(capsys, "info", str(bad))[0] == 0  # without --verify the files are listed, not read
     code, out, err = cli(capsys, "info", str(bad), "--verify")
     assert code == 2 and "calib_stats.safetensors: tensor" in err and "sha256" in err and len(err.strip().splitlines()) == 1
+    manifest = json.loads((bad / fs.MANIFEST).read_text())
+    manifest["files"]["config.json"] = {"a": {"dtype": "int8"}}  # a damaged manifest, not a damaged file
+    (bad / "new").write_text(json.dumps(manifest))
+    os.replace(bad / "new", bad / fs.MANIFEST)
+    code, out, err = cli(capsys, "info", str(bad), "--verify")
+    assert code == 2 and "config.json are not tensor records" in err and len(err.strip().splitlines()) == 1
 
 
 def test_json_on_stdout_is_the_json_alone(tiny_folders, capsys):

@@ -11,6 +11,7 @@ import signal
 import sys
 
 import typer
+from rich.markup import escape
 
 from qoqtool.errors import UserError
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                 _say_interrupted()
             sys.exit(code)
     except UserError as e:
-        ui.err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        ui.err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         _say_interrupted()
@@ -83,8 +84,11 @@ def main(argv: list[str] | None = None) -> None:
         for ex in _click_exception_modules():
             # (not every vendored click has every class: typer 0.29's lacks Exit and Abort)
             if isinstance(e, getattr(ex, "UsageError", ())):  # one line, as our own errors
+                if not e.format_message():  # `qoqtool` alone: typer printed the help, nothing went wrong
+                    sys.exit(e.exit_code)
                 where = f"{e.ctx.command_path} --help" if e.ctx is not None else "qoqtool --help"
-                ui.err.print(f"[bold red]error:[/] {e.format_message()} (see '{where}')", highlight=False, soft_wrap=True)
+                ui.err.print(f"[bold red]error:[/] {escape(e.format_message())} (see '{escape(where)}')",
+                             highlight=False, soft_wrap=True)
                 sys.exit(e.exit_code)
             if isinstance(e, getattr(ex, "ClickException", ())):
                 e.show()

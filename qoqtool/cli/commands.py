@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from qoqtool.cli import app
 from qoqtool.cli import ui
@@ -126,14 +127,14 @@ def quantize(
     from qoqtool.models.loading import load_model
     from qoqtool.packing import quantized
 
-    ui.err.print(f"loading {model} ...")
+    ui.err.print(f"loading {escape(model)} ...")
     net, tokenizer, source = load_model(model, dtype="float32", device="cpu")
     check_recipe_fits(net, rec)
     limit = getattr(net.config, "max_position_embeddings", None)
     if limit and calib_seqlen > limit:
         raise UserError(f"--calib-seqlen {calib_seqlen} is past the model's {limit} positions (max_position_embeddings); "
                         "use a shorter one")
-    ui.err.print(f"calibration: {calib}, {calib_samples} x {calib_seqlen} tokens, seed {seed}")
+    ui.err.print(f"calibration: {escape(calib)}, {calib_samples} x {calib_seqlen} tokens, seed {seed}")
     if calib == "synthetic" and device != "cpu":
         net.to(device)
     calibration = build_calibration(calib, tokenizer, calib_samples, calib_seqlen, seed, data_dir, model=net)
@@ -178,7 +179,7 @@ def quantize(
         ],
     )
     for note in result.notes:
-        ui.err.print(f"note: {note}")
+        ui.err.print(f"note: {escape(note)}")
     ui.write_json(json_out, summary)
 
 
@@ -313,7 +314,6 @@ def generate(
     device = _check_device(device)
     _check_model_argument(model)
 
-    from rich.markup import escape
 
     from qoqtool.eval.runner import counting_linear_paths, print_paths
     from qoqtool.models.adapter import ModelAdapter

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -81,4 +82,4 @@ def write_json(target: str | None, payload: dict) -> None:
         path = Path(target).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
-        err.print(f"wrote {target}")
+        err.print(f"wrote {escape(str(target))}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from rich.markup import escape
+
 from qoqtool.cli import ui
 from qoqtool.errors import UserError
 from qoqtool.eval.perplexity import paired_ratio, perplexity, wikitext2_test_ids
@@ -98,7 +100,7 @@ def counting_linear_paths(evaluate) -> tuple[dict, dict[str, int]]:
 def print_paths(spec: str, paths: dict[str, int]) -> None:
     """One line under the results: on a GPU it says whether the kernels ran, and which."""
     if paths:
-        ui.out.print(f"{spec}: packed linear calls by path: " + ", ".join(f"{n:,} {p}" for p, n in paths.items()))
+        ui.out.print(f"{escape(spec)}: packed linear calls by path: " + ", ".join(f"{n:,} {p}" for p, n in paths.items()))
 
 
 def run_eval(models: list[str], tasks: list[str], settings: EvalSettings, device: str, show_progress: bool) -> dict:

@@ -518,24 +518,25 @@ def choose_fixed(gains: torch.Tensor, target: OutlierTarget) -> torch.Tensor:
         cell = (pos // k) // rows_per_tile * k + pos % k
         fill = torch.zeros(tiles * k, dtype=torch.long, device=flat.device)
         pick = torch.zeros(0, dtype=torch.long, device=flat.device)
-        while True:  # cells of a last row tile with fewer than four rows give fewer than asked
-            left = None if target.count is None else target.count - pick.numel()
-            if left == 0:
-                break
-            free = torch.ones_like(flat, dtype=torch.bool)
-            free[pick] = False
-            live = free.nonzero()[:, 0]
-            cells, counts = _best_entries(flat[live], cell[live], fill, take=left, threshold=target.threshold)
+        free = None  # all weights, until a pass falls short
+        # A cell of a last row tile with fewer than four rows gives fewer weights than its entry's
+        # four slots counted: take further passes over the weights left until the count is met.
+        while target.count is None or pick.numel() < target.count:
+            live = None if free is None else free.nonzero()[:, 0]
+            take = None if target.count is None else target.count - pick.numel()
+            cells, counts = _best_entries(flat if live is None else flat[live], cell if live is None else cell[live],
+                                          fill, take=take, threshold=target.threshold)
             rows = (cells // k)[:, None] * rows_per_tile + torch.arange(rows_per_tile, device=flat.device)
             cand = rows.clamp(max=n - 1) * k + (cells % k)[:, None]
-            cand_gain = flat[cand].masked_fill((rows >= n) | ~free[cand], -math.inf)
-            new = cand[_top_in_cells(cand_gain, counts)]
-            if new.numel() == 0:
+            taken = rows >= n if free is None else (rows >= n) | ~free[cand]
+            new = cand[_top_in_cells(flat[cand].masked_fill(taken, -math.inf), counts)]
+            if new.numel() == 0 or target.count is None:
+                pick = torch.cat([pick, new])
                 break
             pick = torch.cat([pick, new])
             fill.index_add_(0, cell[new], torch.ones_like(new))
-            if target.count is None:
-                break
+            free = torch.ones_like(flat, dtype=torch.bool)
+            free[pick] = False
     elif target.threshold is not None:
         pick = torch.nonzero(flat > target.threshold)[:, 0]
     else:
@@ -646,10 +647,10 @@ class OutlierKeeper:
         # Progressive level 0 is fitted before the sweep without the planned outliers: those
         # larger than everything their row keeps dense must stay kept (select_group), or the
         # sweep rounds them outside level 0's range.
-        wa = pad_columns(weight.float(), self._mask.shape[1]).abs()
-        self._pinned = self._mask & (wa > wa.masked_fill(self._mask, 0).amax(1, keepdim=True))
-        if scheme.config.scheme != "progressive":
-            self._pinned[:] = False
+        self._pinned = torch.zeros_like(self._mask)
+        if scheme.config.scheme == "progressive":
+            wa = pad_columns(weight.float(), self._mask.shape[1]).abs()
+            self._pinned = self._mask & (wa > wa.masked_fill(self._mask, 0).amax(1, keepdim=True))
         g = scheme.group_size_for(k)
         self._group_counts = self._mask.reshape(n, -1, g).sum((0, 2)).tolist()
         self.k = k
