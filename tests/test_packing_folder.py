@@ -329,6 +329,13 @@ def _header_a_list(d: Path):
     os.replace(d / "new.safetensors", d / "model.safetensors")
 
 
+def _record_without_sha(d: Path):
+    man = fs.read_manifest(d)
+    del next(iter(man["files"]["model.safetensors"].values()))["sha256"]
+    (d / "qoqtool.json").unlink()
+    fs.write_manifest(d, man)
+
+
 def _config_not_json(d: Path):
     (d / "config.json").unlink()
     (d / "config.json").write_text("{not json")
@@ -339,6 +346,7 @@ DAMAGES = {
     "linears a list": (_linears_a_list, "has a list as its 'linears' entry"),
     "safetensors header a list": (_header_a_list, "truncated or corrupt (header is not valid)"),
     "config not JSON": (_config_not_json, "cannot read the config of"),
+    "record without sha256": (_record_without_sha, "the checksums listed for model.safetensors are not tensor records"),
     "missing tensor": (_missing_tensor, "missing tensor model.layers.1.mlp.down_proj.scale1"),
     "group parameters": (_group_params_past_the_kernels, "group parameters of model.layers.1.mlp.down_proj are damaged"),
     "flipped byte": (_flipped_byte, "sha256"),
@@ -358,16 +366,26 @@ def test_damaged_folder_is_refused(tiny_folders, tmp_path, capsys, damage):
     assert_one_line_error(code, err, words)
 
 
-@pytest.mark.parametrize("damage", ["manifest a list", "linears a list", "config not JSON"])
+@pytest.mark.parametrize("damage", ["manifest a list", "linears a list", "config not JSON", "record without sha256"])
 def test_a_damaged_quantized_folder_is_refused_by_every_command(tiny_folders, tmp_path, capsys, damage):
     spoil, words = DAMAGES[damage]
     d = _copy(tiny_folders["prog-g32"][0], tmp_path / "damaged")
     spoil(d)
     for command in (["eval", str(d), "--tasks", "fidelity"], ["pack", str(d), "-o", str(tmp_path / "p")]) + (
-            (["info", str(d)],) if damage != "config not JSON" else ()):  # (info reads the manifest only)
+            (["info", str(d)],) if damage not in ("config not JSON", "record without sha256") else ()):  # (info reads the manifest only)
         code, _, err = cli(capsys, *command)
         assert_one_line_error(code, err, words)
     assert not (tmp_path / "p").exists()
+
+
+def test_pack_refuses_an_empty_output(tiny_folders, capsys):
+    """-o "" is refused, as quantize refuses it, not read as "the default name"."""
+    qdir = tiny_folders["prog-g32"][0]
+    default = Path(f"{qdir}-packed")
+    existed = default.exists()
+    code, _, err = cli(capsys, "pack", str(qdir), "-o", "")
+    assert_one_line_error(code, err, "-o is empty")
+    assert default.exists() == existed
 
 
 @pytest.mark.parametrize("version,words", [(quantized.FORMAT_VERSION + 1, "upgrade qoqtool"), (0, "re-quantize it")])

@@ -107,9 +107,7 @@ def quantize(
     if batch_size < 1:
         raise UserError(f"--batch-size must be at least 1 (got {batch_size})")
     device = _check_device(device)
-    if output is not None and not output.strip():
-        raise UserError("-o is empty; name the output folder, or leave -o out for the default name")
-    output = output or _default_output(model, recipe)
+    output = _default_output(model, recipe) if output is None else output  # ("": refused by check_output_dir)
     fs.check_output_dir(output, overwrite, inputs=(model, calib, data_dir or ""))  # (data_dir: --data-dir or its env var)
     _check_model_argument(model)
     if calib in ("wikitext2", "pile"):
@@ -422,7 +420,7 @@ def pack(
     from qoqtool.packing.packed import pack_folder
 
     budget = _outlier_budget(outliers, outliers_budget)
-    report = pack_folder(quantized_dir, output or f"{quantized_dir.rstrip('/')}-packed", budget, overwrite)
+    report = pack_folder(quantized_dir, f"{quantized_dir.rstrip('/')}-packed" if output is None else output, budget, overwrite)
     print_size_report(report)
     ui.err.print(f"packed in {report['seconds']['total']:.1f} s")
     ui.write_json(json_out, report)

@@ -74,12 +74,8 @@ def verify_files(path: str) -> dict[str, int]:
     checked per file; a damaged or missing file is a one-line UserError."""
     folder = Path(path).expanduser()
     records = fs.read_manifest(folder)["files"]
-    for name, tensors in sorted(records.items()):  # the manifest first: its damage is not a file's
-        sound = name.endswith(".safetensors") and isinstance(tensors, dict) and all(
-            isinstance(r, dict) and {"dtype", "shape", "sha256"} <= r.keys() for r in tensors.values())
-        if not sound:
-            raise UserError(f"{path}/qoqtool.json: the checksums listed for {name} are not tensor records; "
-                            "the manifest is damaged, re-create the folder")
+    for name, tensors in records.items():  # the whole manifest first: its damage is not a file's
+        fs.check_records(folder / name, tensors)
     checked = {}
     for name, tensors in sorted(records.items()):
         fs.load_verified(folder / name, tensors, f"{path} has no {name}, which its qoqtool.json lists; re-create the folder")

@@ -51,7 +51,7 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, inputs=()) -> Path
     holds one of `inputs` (paths read by the run; names that are not local paths, such as hub
     ids, are ignored): replacing it would delete what the run reads."""
     if not str(out).strip():
-        raise UserError("the output folder is empty; name one with -o")
+        raise UserError("-o is empty; name the output folder, or leave -o out for the default name")
     path = Path(out).expanduser()
     resolved = path.resolve()
     if resolved in (Path.cwd(), *Path.cwd().parents):
@@ -207,9 +207,21 @@ def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise UserError(f"{path} is corrupt ({str(err).splitlines()[0]}); re-create or re-download it") from None
 
 
+def check_records(path: str | os.PathLike, records) -> None:
+    """The manifest's checksums for the tensor file `path` are tensor records ({dtype, shape,
+    sha256} per tensor): a one-line UserError blaming the manifest, before the file is read."""
+    path = Path(path)
+    sound = path.name.endswith(".safetensors") and isinstance(records, dict) and all(
+        isinstance(r, dict) and {"dtype", "shape", "sha256"} <= r.keys() for r in records.values())
+    if not sound:
+        raise UserError(f"{path.parent}/{MANIFEST}: the checksums listed for {path.name} are not tensor records; "
+                        "the manifest is damaged, re-create the folder")
+
+
 def load_verified(path: str | os.PathLike, records: dict[str, dict], missing: str) -> dict[str, torch.Tensor]:
     """A safetensors file the manifest lists, read and checked against its records;
     `missing` is the one-line error when the file is not there."""
+    check_records(path, records)
     if not Path(path).is_file():
         raise UserError(missing)
     tensors = load_tensors(path)

@@ -530,10 +530,9 @@ def choose_fixed(gains: torch.Tensor, target: OutlierTarget) -> torch.Tensor:
             cand = rows.clamp(max=n - 1) * k + (cells % k)[:, None]
             taken = rows >= n if free is None else (rows >= n) | ~free[cand]
             new = cand[_top_in_cells(flat[cand].masked_fill(taken, -math.inf), counts)]
-            if new.numel() == 0 or target.count is None:
-                pick = torch.cat([pick, new])
-                break
             pick = torch.cat([pick, new])
+            if new.numel() == 0 or target.count is None:
+                break
             fill.index_add_(0, cell[new], torch.ones_like(new))
             free = torch.ones_like(flat, dtype=torch.bool)
             free[pick] = False
