@@ -14,15 +14,16 @@ SEEDS=${SEEDS:-"0 1 2 3"}
 WINDOWS=${WINDOWS:-40}
 RECIPE=${RECIPE:-qoq-w4a8kv4-g128}
 SHARE=${SHARE:-1%}
+TAG=${SHARE%\%}  # the share in file names: 1% -> s<seed>-1
 mkdir -p "$OUT"
 for seed in $SEEDS; do
-  for share in none "$SHARE"; do
-    name="s$seed-${share%\%}"
-    extra=(); [ "$share" = none ] || extra=(--outliers "$share")
+  for tag in none "$TAG"; do
+    name="s$seed-$tag"
+    extra=(); [ "$tag" = none ] || extra=(--outliers "$SHARE")
     qoqtool quantize smollm2-135m -r "$RECIPE" --calib wikitext2 --seed "$seed" "${extra[@]}" --data-dir "$DATA" \
       -o "$OUT/$name" --overwrite -q --json "$OUT/quantize-$name.json"
     qoqtool eval "$OUT/$name" --tasks wikitext2 --max-windows "$WINDOWS" --data-dir "$DATA" -q \
       --json "$OUT/eval-$name.json"
   done
-  python "$(dirname "$0")/compare_ppl.py" "$OUT/eval-s$seed-none.json" "$OUT/eval-s$seed-${SHARE%\%}.json" | tail -1
+  python "$(dirname "$0")/compare_ppl.py" "$OUT/eval-s$seed-none.json" "$OUT/eval-s$seed-$TAG.json" | tail -1
 done

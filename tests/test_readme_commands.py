@@ -16,9 +16,9 @@ import pytest
 import typer
 
 from qoqtool.cli import _click_exception_modules, app
+from qoqtool.cli.commands import _outlier_budget
 from qoqtool.errors import UserError
 from qoqtool.eval.tasks import parse_tasks
-from qoqtool.quantizers.outliers import parse_outliers
 from qoqtool.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,10 +30,14 @@ def _commands_in(text: str) -> list[list[str]]:
     """Each `qoqtool` invocation in the text's fenced shell blocks, as argv after `qoqtool`."""
     found = []
     for block in re.findall(r"^```(?:bash|sh|console)?\n(.*?)^```", text, re.S | re.M):
-        for line in block.splitlines():
-            if "qoqtool" in line:
-                found += [words[1:] for words in _shell_commands(line) if words[:1] == ["qoqtool"]]
+        found += _invocations(block.splitlines())
     return found
+
+
+def _invocations(lines) -> list[list[str]]:
+    """Each `qoqtool` command in these shell lines, as argv after `qoqtool`."""
+    return [words[1:] for line in lines if "qoqtool" in line
+            for words in _shell_commands(line) if words[:1] == ["qoqtool"]]
 
 
 def _shell_commands(line: str) -> list[list[str]]:
@@ -53,12 +57,7 @@ def _shell_commands(line: str) -> list[list[str]]:
 def _help_examples() -> list[list[str]]:
     """The example lines of the top-level help and of each command's help."""
     texts = [CLI.help or ""] + [cmd.help or "" for cmd in CLI.commands.values()]
-    found = []
-    for text in texts:
-        for line in text.splitlines():
-            if line.strip().startswith("qoqtool "):
-                found += [words[1:] for words in _shell_commands(line) if words[:1] == ["qoqtool"]]
-    return found
+    return _invocations(line for text in texts for line in text.splitlines() if line.strip().startswith("qoqtool "))
 
 
 README_EXAMPLES = _commands_in((ROOT / "README.md").read_text(encoding="utf-8"))
@@ -77,8 +76,7 @@ def check_example(argv: list[str]) -> None:
         load_recipe(params["recipe"])
     if params.get("tasks") is not None:
         parse_tasks(params["tasks"])
-    if params.get("outliers") is not None:
-        parse_outliers(params["outliers"], params.get("outliers_budget") or "layer")
+    _outlier_budget(params.get("outliers"), params.get("outliers_budget"))
 
 
 def test_the_readme_and_the_help_show_examples_of_every_command():
@@ -101,6 +99,7 @@ def test_example_parses(argv):
         (["quantize", "smollm2-135m", "-r", "qoq-w4a8kv4-g32"], UserError),
         (["eval", "smol-qoq", "--tasks", "wikitext3"], UserError),
         (["pack", "smol-qoq", "--outliers", "1 percent"], UserError),
+        (["pack", "smol-qoq", "--outliers-budget", "global"], UserError),
         (["evaluate", "smol-qoq"], AssertionError),
     ],
 )
